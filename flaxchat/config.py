@@ -1,0 +1,217 @@
+"""Configuration: frozen dataclasses are the source of truth, CLI flags are derived from them.
+
+One dial, `--depth`, sets the model's shape, its learning rates and its training horizon, as in
+nanochat: width = depth x 64 (aspect ratio 64), heads of 128 channels (64 or 32 for tiny models),
+and the number of steps from a tokens-per-parameter ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+from flaxchat.errors import UserError
+
+ASPECT_RATIO = 64  # n_embd = depth * 64 (nanochat)
+VOCAB_MULTIPLE = 64  # pad the embedding/LM head rows so matmuls tile well; logits are cropped
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    sequence_len: int = 256
+    vocab_size: int = 4096
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    n_embd: int = 256
+    window_pattern: str = "SSSL"  # tiled over layers; S = quarter context, L = full; last layer is L
+    tie_embeddings: bool = False
+    rope_base: float = 100_000.0
+    logit_softcap: float = 15.0
+    value_embeds: bool = True
+    grad_checkpoint: bool = False  # rematerialise each block in the backward pass (saves memory)
+    attn_block: int = 128  # query/key block of the blockwise attention (the unit of skipped work)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise UserError(msg)
+
+        if self.n_layer <= 0:
+            bad(f"n_layer must be positive (got {self.n_layer}); use --depth 1 or more.")
+        for name in ("sequence_len", "vocab_size", "n_head", "n_kv_head", "n_embd", "attn_block"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be positive (got {getattr(self, name)}).")
+        if self.n_embd % self.n_head:
+            bad(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head}); pick a head count that divides it.")
+        if self.n_head % self.n_kv_head:
+            bad(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head}), which grouped-query attention needs.")
+        if self.head_dim % 2:
+            bad(f"head_dim ({self.head_dim}) must be even for rotary embeddings.")
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            bad(f"window pattern {self.window_pattern!r} may only contain the letters S (short) and L (long), e.g. 'SSSL'.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
+    def short_window(self) -> int:
+        # A quarter of the context (nanochat), rounded up to whole attention blocks so the blocks
+        # outside the window are skipped outright rather than masked.
+        quarter = max(1, self.sequence_len // 4)
+        return min(self.sequence_len, -(-quarter // self.attn_block) * self.attn_block)
+
+    def window_sizes(self) -> list[int]:
+        """Per-layer attention window in tokens (a query sees keys t-window+1 .. t)."""
+        pattern = self.window_pattern.upper()
+        sizes = [self.short_window if pattern[i % len(pattern)] == "S" else self.sequence_len
+                 for i in range(self.n_layer)]
+        sizes[-1] = self.sequence_len  # the last layer always sees the full context
+        return sizes
+
+    def has_value_embed(self, layer: int) -> bool:
+        # Alternating layers, the last one always included (nanochat `has_ve`).
+        return self.value_embeds and layer % 2 == (self.n_layer - 1) % 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
+        # Old checkpoints stay loadable: unknown keys are dropped, missing keys take defaults.
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def config_for_depth(depth: int, *, vocab_size: int = 4096, sequence_len: int = 256, **overrides) -> GPTConfig:
+    """nanochat's one dial: depth -> width (x64), heads of 128 (64/32 for tiny models)."""
+    if depth <= 0:
+        raise UserError(f"--depth must be at least 1 (got {depth}).")
+    width = depth * ASPECT_RATIO
+    head_dim = 128 if width >= 512 else 64 if width >= 256 else 32
+    n_embd = -(-width // head_dim) * head_dim
+    n_head = n_embd // head_dim
+    fields = dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                  n_kv_head=n_head, n_embd=n_embd)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything about a pretraining run except the model shape. Flags: --kebab-case of each field."""
+
+    run_dir: str = "runs/default"
+    data: str = "stories"  # 'stories' (built-in), a path/glob of .txt/.jsonl/.parquet, or hf:owner/name
+    depth: int = 4
+    sequence_len: int = 256
+    vocab_size: int = 4096
+    window_pattern: str = "SSSL"
+    steps: int = -1  # -1: derive from --param-data-ratio (the training horizon)
+    param_data_ratio: float = 10.5  # tokens per scaling parameter when --steps is -1 (nanochat)
+    device_batch_size: int = 8  # rows per micro-batch on each device
+    total_batch_size: int = -1  # tokens per optimizer step; -1: one micro-batch on every device
+    optimizer: str = "muon"  # 'muon' (Muon + AdamW groups) or 'adamw'
+    matrix_lr: float = 0.02
+    embedding_lr: float = 0.3
+    unembedding_lr: float = 0.004
+    scalar_lr: float = 0.5
+    weight_decay: float = 0.2  # Muon's cautious weight decay, scaled by (12/depth)^2 and decayed to 0
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    warmup_ratio: float = 0.0
+    warmdown_ratio: float = 0.5
+    final_lr_frac: float = 0.0
+    dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
+    eval_every: int = 250
+    eval_tokens: int = 65_536
+    sample_every: int = 500
+    save_every: int = 250
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
+    grad_checkpoint: bool = False
+    tokenizer_dir: str = ""  # default: <run_dir>/tokenizer, trained on --data if absent
+    max_chars_tokenizer: int = 20_000_000
+    num_samples: int = 3
+
+    def validate(self) -> None:
+        if self.optimizer not in ("muon", "adamw"):
+            raise UserError(f"--optimizer must be 'muon' or 'adamw' (got {self.optimizer!r}).")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
+        if self.device_batch_size <= 0 or self.sequence_len <= 1:
+            raise UserError("--device-batch-size must be positive and --sequence-len at least 2.")
+        if not 0 <= self.warmup_ratio + self.warmdown_ratio <= 1:
+            raise UserError("--warmup-ratio plus --warmdown-ratio must lie between 0 and 1.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --- dataclass <-> argparse --------------------------------------------------------------------
+
+def _field_type(cls, field: dataclasses.Field):
+    hints = typing.get_type_hints(cls)
+    tp = hints[field.name]
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, defaults: Mapping[str, Any] | None = None,
+                       help: Mapping[str, str] | None = None) -> None:
+    """Add one --kebab-case flag per field of `cls`; `defaults` overrides the dataclass defaults."""
+    defaults = dict(defaults or {})
+    help = dict(help or {})
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        tp = _field_type(cls, f)
+        text = help.get(f.name, "") + f" (default: {default!r})"
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            parser.add_argument(flag, type=tp, default=default, help=text, metavar=f.name.upper())
+
+
+def dataclass_from_args(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as a UserError (one sentence, exit 2) instead of exiting."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help).")
+
+
+def save_json(path, obj) -> None:
+    """Write JSON atomically: a reader never sees half a file."""
+    import os
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def scaled_lr_note(n_embd: int) -> float:
+    """AdamW learning rates scale as 1/sqrt(d_model), tuned at 768 (nanochat)."""
+    return (n_embd / 768) ** -0.5
+
+
+def round_up(x: int, m: int) -> int:
+    return int(math.ceil(x / m) * m)

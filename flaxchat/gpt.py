@@ -1,0 +1,208 @@
+"""The GPT of nanochat in Flax NNX.
+
+Features (all from nanochat): rotary embeddings (base 100k), grouped-query attention, QK-norm with
+a 1.2 sharpening, ReLU² MLP, parameterless RMSNorm, no biases, value embeddings on alternating
+layers mixed in through an input-dependent gate, per-layer sliding windows from a pattern such as
+"SSSL", per-layer `resid_lambdas` and `x0_lambdas`, smear (a gated mix of the previous token's
+embedding), backout (subtract the mid-depth residual before the head), logits soft-capped at
+15·tanh(x/15), optional tied embeddings, vocab padded to a multiple of 64.
+
+Parameters live in fp32; each matmul casts its weight to the compute dtype (bf16 on TPU/GPU).
+Paths of the parameters (`blocks.3.attn.c_q.kernel`, ...) are the names the optimizer groups,
+checkpoints and exports use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxchat import ops
+from flaxchat.config import GPTConfig
+
+VE_GATE_CHANNELS = 32
+SMEAR_CHANNELS = 24
+QK_SCALE = 1.2  # sharper attention after QK-norm, split between q and k (nanochat)
+
+
+def _uniform(scale: float):
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -scale, scale)
+    return init
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel (in, out), no bias; the fast-backward matmul of `ops`."""
+
+    def __init__(self, din: int, dout: int, *, init, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ops.matmul(x, self.kernel[...].astype(x.dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, layer: int, rngs: nnx.Rngs):
+        d, hd = cfg.n_embd, cfg.head_dim
+        s = math.sqrt(3.0 / d)  # uniform with the std of N(0, 1/d); uniform avoids outliers
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
+        self.c_q = Linear(d, cfg.n_head * hd, init=_uniform(s), rngs=rngs)
+        self.c_k = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs)
+        self.c_v = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs)
+        self.c_proj = Linear(d, d, init=nnx.initializers.zeros_init(), rngs=rngs)
+        if cfg.has_value_embed(layer):
+            self.ve = nnx.Embed(cfg.padded_vocab_size, cfg.n_kv_head * hd, embedding_init=_uniform(s), rngs=rngs)
+            self.ve_gate = Linear(min(VE_GATE_CHANNELS, d), cfg.n_kv_head, init=_uniform(0.02), rngs=rngs)
+        else:
+            self.ve = None
+            self.ve_gate = None
+
+    def qkv(self, x: jax.Array, idx: jax.Array, positions: jax.Array, rope_base: float):
+        B, T, _ = x.shape
+        q = self.c_q(x).reshape(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).reshape(B, T, self.n_kv_head, self.head_dim)
+        if self.ve is not None:
+            # Value residual (ResFormer): a per-token value embedding, gated per kv head in (0, 2).
+            ve = self.ve(idx).astype(x.dtype).reshape(B, T, self.n_kv_head, self.head_dim)
+            gate = 2.0 * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
+            v = v + gate[..., None] * ve
+        q = ops.rotary(q, positions, rope_base)
+        k = ops.rotary(k, positions, rope_base)
+        q = ops.rms_norm(q) * QK_SCALE
+        k = ops.rms_norm(k) * QK_SCALE
+        return q, k, v
+
+    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, idx, positions, rope_base)
+        y = ops.causal_attention(q, k, v, window=window, block=block)
+        return self.c_proj(y.reshape(B, T, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        s = math.sqrt(3.0 / cfg.n_embd)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, init=_uniform(0.4 * s), rngs=rngs)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, init=nnx.initializers.zeros_init(), rngs=rngs)
+
+    def __call__(self, x):
+        return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, layer: int, rngs: nnx.Rngs):
+        self.attn = Attention(cfg, layer, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int):
+        x = x + self.attn(ops.rms_norm(x), idx, positions, window, rope_base, block)
+        return x + self.mlp(ops.rms_norm(x))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = cfg
+        self.dtype = dtype
+        V, d, L = cfg.padded_vocab_size, cfg.n_embd, cfg.n_layer
+        self.wte = nnx.Embed(V, d, embedding_init=nnx.initializers.normal(0.8), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(L)])
+        self.lm_head = None if cfg.tie_embeddings else Linear(d, V, init=nnx.initializers.normal(0.001), rngs=rngs)
+        # Stronger residual early, more of the embedding blended back in early (nanochat init).
+        denom = max(L - 1, 1)
+        self.resid_lambdas = nnx.Param(jnp.array([1.15 - 0.10 * i / denom for i in range(L)], jnp.float32))
+        self.x0_lambdas = nnx.Param(jnp.array([0.20 - 0.15 * i / denom for i in range(L)], jnp.float32))
+        nsm = min(SMEAR_CHANNELS, d)
+        self.smear_gate = Linear(nsm, 1, init=_uniform(1 / math.sqrt(nsm)), rngs=rngs)
+        self.smear_lambda = nnx.Param(jnp.zeros((1,), jnp.float32))
+        self.backout_lambda = nnx.Param(jnp.full((1,), 0.2, jnp.float32))
+
+    def embed(self, idx: jax.Array, prev_embedding: jax.Array | None = None) -> jax.Array:
+        """Token embedding, normed, then smeared with the previous token's embedding.
+
+        `prev_embedding` (B, 1, d) is the normed embedding of the token before idx[:, 0]; the
+        engine passes it when decoding one token at a time, training passes nothing.
+        """
+        x = ops.rms_norm(self.wte(idx).astype(self.dtype))
+        nsm = self.smear_gate.kernel.shape[0]
+        prev = x[:, :-1] if prev_embedding is None else jnp.concatenate([prev_embedding.astype(x.dtype), x[:, :-1]], 1)
+        cur = x[:, 1:] if prev_embedding is None else x
+        gate = self.smear_lambda[...].astype(x.dtype) * jax.nn.sigmoid(self.smear_gate(cur[..., :nsm]))
+        mixed = cur + gate * prev
+        return mixed if prev_embedding is not None else jnp.concatenate([x[:, :1], mixed], axis=1)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm, LM head, crop the vocab padding, soft-cap the logits (fp32)."""
+        x = ops.rms_norm(x)
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(x.dtype))
+        else:
+            logits = self.lm_head(x)
+        logits = logits[..., :self.config.vocab_size].astype(jnp.float32)
+        cap = self.config.logit_softcap
+        return cap * jnp.tanh(logits / cap)
+
+    def __call__(self, idx: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """idx (B, T) int32 -> logits (B, T, vocab_size) fp32."""
+        cfg = self.config
+        B, T = idx.shape
+        if positions is None:
+            positions = jnp.arange(T, dtype=jnp.int32)
+        x = self.embed(idx)
+        x0 = x
+        backout_layer = cfg.n_layer // 2
+        x_backout = None
+        windows = cfg.window_sizes()
+        for i, block in enumerate(self.blocks):
+            x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
+            call = _remat_block if cfg.grad_checkpoint else _call_block
+            x = call(block, x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block)
+            if i == backout_layer:
+                x_backout = x
+        if x_backout is not None:
+            x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
+        return self.head(x)
+
+
+def _call_block(block, x, idx, positions, window, rope_base, attn_block):
+    return block(x, idx, positions, window, rope_base, attn_block)
+
+
+_remat_block = nnx.remat(_call_block, static_argnums=(4, 5, 6))
+
+
+def param_count(model: GPT) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def matmul_param_count(model: GPT) -> int:
+    """Parameters that take part in matmuls: every Linear kernel (blocks and LM head).
+
+    Embeddings (token and value) are lookups and the per-layer scalars are elementwise, so they
+    are not counted (PaLM appendix B; nanochat `estimate_flops`). With tied embeddings the head's
+    matmul uses the embedding table, so it is counted once.
+    """
+    total = 0
+    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(str(p) for p in path)
+        if name.endswith("kernel") and "smear_gate" not in name and "ve_gate" not in name:
+            total += leaf[...].size
+    if model.lm_head is None:
+        total += model.wte.embedding[...].size
+    return total
+
+
+def estimate_flops(model: GPT, seq_len: int | None = None, window_aware: bool = True) -> float:
+    """Training FLOPs per token: 6 per matmul parameter + 12·h·d_head·T_eff per layer of attention.
+
+    `window_aware` counts only the keys each layer really attends to (sliding windows); False gives
+    the plain formula 6·N + 12·L·d·T that most papers (and our benchmark targets) use.
+    """
+    cfg = model.config
+    T = seq_len or cfg.sequence_len
+    windows = cfg.window_sizes() if window_aware else [T] * cfg.n_layer
+    attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, T) for w in windows)
+    return 6 * matmul_param_count(model) + attn

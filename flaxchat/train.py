@@ -1,0 +1,110 @@
+"""The one train step and eval step every stage shares (pretraining, SFT, RL).
+
+`train_step` takes a stack of micro-batches (A, B, T) and accumulates gradients over A inside one
+jit with `lax.scan`: small micro-batches keep activations in cache (on this CPU, 2-4 rows of 512
+tokens ran at ~55% MFU where one batch of 32 rows ran at ~31%, field notes), and the optimizer runs
+once per step. Targets < 0 are ignored (SFT's loss mask). The loss is the mean over counted tokens
+of the whole step, so gradient accumulation gives the same update as one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from flaxchat.gpt import GPT
+
+
+def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token cross-entropy in nats (fp32); 0 where target < 0."""
+    logits = model(inputs)
+    safe = jnp.maximum(targets, 0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    return jnp.where(targets >= 0, losses, 0.0)
+
+
+def _micro_loss(params, graphdef, rest, inputs, targets):
+    model = nnx.merge(graphdef, params, rest)
+    losses = token_losses(model, inputs, targets)
+    return jnp.sum(losses), jnp.sum(targets >= 0)
+
+
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array):
+    """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def accumulate(carry, batch):
+        grads, loss_sum, count = carry
+        (l, n), g = grad_fn(params, graphdef, rest, *batch)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
+    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (inputs, targets))
+    denom = jnp.maximum(count, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    optimizer.update(model, grads)
+    return loss_sum / denom
+
+
+@nnx.jit
+def eval_step(model: GPT, inputs: jax.Array, targets: jax.Array, token_bytes: jax.Array):
+    """Sums for bits-per-byte: (nats over byte-carrying targets, bytes of those targets, tokens)."""
+    losses = token_losses(model, inputs, targets)
+    nbytes = jnp.where(targets >= 0, token_bytes[jnp.maximum(targets, 0)], 0)
+    counted = nbytes > 0  # special tokens carry no bytes and are left out, as nanochat does
+    return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(nbytes), jnp.sum(targets >= 0)
+
+
+def bits_per_byte(nats: float, nbytes: float) -> float:
+    return float(nats) / (math.log(2) * max(float(nbytes), 1.0))
+
+
+# --- sampling (a plain, cache-free sampler for progress reports; the Engine is the fast path) -----
+
+
+@nnx.jit(static_argnames=("max_new", "temperature", "top_k"))
+def _sample_loop(model: GPT, buf: jax.Array, start: jax.Array, key: jax.Array,
+                 max_new: int, temperature: float, top_k: int):
+    T = buf.shape[1]
+
+    def body(i, carry):
+        buf, key = carry
+        pos = start + i
+        logits = model(buf)
+        row = jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0]
+        if top_k > 0:
+            kth = jax.lax.top_k(row, top_k)[0][:, -1:]
+            row = jnp.where(row < kth, -jnp.inf, row)
+        key, sub = jax.random.split(key)
+        nxt = jax.random.categorical(sub, row / temperature) if temperature > 0 else jnp.argmax(row, -1)
+        write = pos < T
+        idx = jnp.minimum(pos, T - 1)
+        cur = jnp.take_along_axis(buf, idx[:, None], axis=1)[:, 0]
+        val = jnp.where(write, nxt.astype(buf.dtype), cur)
+        buf = buf.at[jnp.arange(buf.shape[0]), idx].set(val)
+        return buf, key
+
+    buf, _ = jax.lax.fori_loop(0, max_new, body, (buf, key))
+    return buf
+
+
+def sample(model: GPT, prompts: list[list[int]], max_new: int, *, temperature: float = 0.8,
+           top_k: int = 50, seed: int = 0) -> list[list[int]]:
+    """Continue each prompt by up to max_new tokens (bounded by the context); returns new tokens."""
+    T = model.config.sequence_len
+    lens = [min(len(p), T - 1) for p in prompts]
+    buf = np.zeros((len(prompts), T), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, :lens[i]] = p[:lens[i]]
+    out = _sample_loop(model, jnp.asarray(buf), jnp.asarray(lens, jnp.int32), jax.random.key(seed),
+                       max_new=max_new, temperature=float(temperature), top_k=int(top_k))
+    out = np.asarray(out)
+    return [out[i, lens[i]:min(T, lens[i] + max_new)].tolist() for i in range(len(prompts))]
