@@ -1,0 +1,303 @@
+"""The gcloud commands the launcher uses, built as plain data, and the one executor that runs them.
+
+Every builder is a pure function that returns an argv list (`["gcloud", "compute", ...]`) or, for
+what runs on the workers, one shell string. Nothing here looks at the network or the clock, so the
+tests check the builders on their output, and the executor once against the local emulator
+(`flaxchat.cloud.emulator`), which answers the same commands with real processes.
+
+Secrets never go into any of these: they travel in an env file (see `worker_env`) that is copied
+with `scp` and read by `flaxchat/cloud/worker.py` on each worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import Callable, Mapping, Sequence
+
+from flaxchat.errors import UserError
+from flaxchat.remote.base import RemoteError, RemoteTimeout
+
+INSTALL_HINT = (
+    "the gcloud CLI was not found on PATH; install the Google Cloud SDK "
+    "(https://cloud.google.com/sdk/docs/install), run `gcloud auth login`, "
+    "or rehearse on this machine with --backend=local."
+)
+
+# Where things live on a worker VM, relative to the ssh login folder (the user's home there).
+REMOTE_REPO = "flaxchat"
+REMOTE_STATE = ".flaxchat"
+REMOTE_ENV_FILE = f"{REMOTE_STATE}/run.env"
+REMOTE_TARBALL = "flaxchat-src.tar.gz"
+WORKER_PY = f"{REMOTE_REPO}/flaxchat/cloud/worker.py"
+COORDINATOR_PORT = 8476  # the port JAX's own TPU examples use for the coordinator
+
+
+# --- gcloud argv builders --------------------------------------------------------------------
+
+
+def _where(project: str, zone: str) -> list[str]:
+    return [f"--project={project}", f"--zone={zone}"]
+
+
+def tpu_create(project: str, zone: str, name: str, accelerator: str, version: str,
+               preemptible: bool = False, spot: bool = False) -> list[str]:
+    argv = ["gcloud", "compute", "tpus", "tpu-vm", "create", name, *_where(project, zone),
+            f"--accelerator-type={accelerator}", f"--version={version}"]
+    if spot:
+        argv.append("--spot")
+    elif preemptible:
+        argv.append("--preemptible")
+    return argv
+
+
+def tpu_describe(project: str, zone: str, name: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", "describe", name, *_where(project, zone), "--format=json"]
+
+
+def tpu_delete(project: str, zone: str, name: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", "delete", name, *_where(project, zone), "--quiet"]
+
+
+def tpu_ssh(project: str, zone: str, name: str, command: str, worker: int | str = "all") -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, *_where(project, zone),
+            f"--worker={worker}", f"--command={command}"]
+
+
+def tpu_scp_to(project: str, zone: str, name: str, local: str, remote: str,
+               worker: int | str = "all", recurse: bool = False) -> list[str]:
+    argv = ["gcloud", "compute", "tpus", "tpu-vm", "scp", local, f"{name}:{remote}",
+            *_where(project, zone), f"--worker={worker}"]
+    return argv + (["--recurse"] if recurse else [])
+
+
+def tpu_scp_from(project: str, zone: str, name: str, remote: str, local: str,
+                 worker: int = 0, recurse: bool = False) -> list[str]:
+    argv = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{name}:{remote}", local,
+            *_where(project, zone), f"--worker={worker}"]
+    return argv + (["--recurse"] if recurse else [])
+
+
+def qr_create(project: str, zone: str, qr_name: str, node_name: str, accelerator: str,
+              version: str, spot: bool = True) -> list[str]:
+    """A queued resource: Google's way to ask for spot capacity and get it when it frees up."""
+    argv = ["gcloud", "compute", "tpus", "queued-resources", "create", qr_name, *_where(project, zone),
+            f"--accelerator-type={accelerator}", f"--runtime-version={version}", f"--node-id={node_name}"]
+    return argv + (["--spot"] if spot else [])
+
+
+def qr_describe(project: str, zone: str, qr_name: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "queued-resources", "describe", qr_name,
+            *_where(project, zone), "--format=json"]
+
+
+def qr_delete(project: str, zone: str, qr_name: str) -> list[str]:
+    # --force also deletes the TPU VM the queued resource holds; --quiet skips the prompt.
+    return ["gcloud", "compute", "tpus", "queued-resources", "delete", qr_name,
+            *_where(project, zone), "--force", "--quiet"]
+
+
+def storage_ls(url: str) -> list[str]:
+    return ["gcloud", "storage", "ls", url]
+
+
+def storage_cp(src: str, dest: str) -> list[str]:
+    return ["gcloud", "storage", "cp", "--recursive", src, dest]
+
+
+def format_command(argv: Sequence[str]) -> str:
+    """The argv as a copy-pasteable shell line (what --dry-run prints)."""
+    return shlex.join(argv)
+
+
+# --- shell commands that run on the workers (passed as ssh --command) ----------------------------
+
+
+def _worker_py(*args: str) -> str:
+    return shlex.join(["python3", WORKER_PY, *args])
+
+
+def unpack_command() -> str:
+    """Unpack the uploaded tarball over ~/flaxchat (run outputs elsewhere are never touched)."""
+    return (f"mkdir -p {REMOTE_REPO} {REMOTE_STATE} && tar -xzf {REMOTE_TARBALL} -C {REMOTE_REPO} "
+            f"&& rm -f {REMOTE_TARBALL}")
+
+
+def setup_marker_command() -> str:
+    """Print each worker's setup marker (the content hash of its last completed setup), or nothing."""
+    return f"cat {REMOTE_STATE}/setup.done 2>/dev/null; true"
+
+
+def install_command(content_hash: str, install: str) -> str:
+    """Install the project, then record the hash so a later setup with the same tree is skipped."""
+    return (f"mkdir -p {REMOTE_STATE} && (cd {REMOTE_REPO} && {install}) "
+            f"&& echo {shlex.quote(content_hash)} > {REMOTE_STATE}/setup.done")
+
+
+def start_command(run_id: str, command: str, marker: str | None = None) -> str:
+    """Start `command` detached under worker.py (pid, log, heartbeat, exit code; env from the file)."""
+    args = ["start", "--run-id", run_id, "--env-file", REMOTE_ENV_FILE, "--cwd", REMOTE_REPO, "--replace"]
+    if marker:
+        args += ["--marker", marker]
+    return f"chmod 600 {REMOTE_ENV_FILE} && " + _worker_py(*args, "--", command)
+
+
+def status_command(marker: str | None = None) -> str:
+    return _worker_py("status", *(["--marker", marker] if marker else []))
+
+
+def stop_command() -> str:
+    return _worker_py("stop")
+
+
+def logs_command(follow: bool = False, lines: int = 50, prefix: bool = False) -> str:
+    return _worker_py("logs", "--lines", str(lines), *(["--follow"] if follow else []),
+                      *(["--prefix"] if prefix else []))
+
+
+def probe_command() -> str:
+    return _worker_py("probe", "--env-file", REMOTE_ENV_FILE, "--cwd", REMOTE_REPO)
+
+
+def checkpoints_command(checkpoint_dir: str) -> str:
+    return _worker_py("checkpoints", "--dir", checkpoint_dir, "--cwd", REMOTE_REPO)
+
+
+def worker_env(coordinator_ip: str, num_processes: int, env: Mapping[str, str] | None = None,
+               secrets: Mapping[str, str] | None = None, port: int = COORDINATOR_PORT) -> dict:
+    """The env file every worker gets: the same on each; worker.py adds that worker's process id.
+
+    Secret names are listed so that worker.py redacts their values from the log.
+    """
+    merged = {**(env or {}), **(secrets or {})}
+    merged.update({
+        "JAX_COORDINATOR_ADDRESS": f"{coordinator_ip}:{port}",
+        "JAX_NUM_PROCESSES": str(num_processes),
+    })
+    return {"env": merged, "secret_keys": sorted(secrets or {})}
+
+
+# --- the executor ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CommandResult:
+    argv: list[str]
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+class GcloudError(RemoteError):
+    """gcloud said no (quota, permission, zone, not found); the message is gcloud's own, in one line."""
+
+    def __init__(self, message: str, returncode: int = 1, stderr: str = ""):
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+def one_line(stderr: str, limit: int = 400) -> str:
+    """gcloud's own error message on one line: from its first `ERROR:` line on, whitespace collapsed."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("ERROR:")), max(0, len(lines) - 3))
+    text = " ".join(" ".join(lines[start:]).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_not_found(err: GcloudError) -> bool:
+    return "NOT_FOUND" in str(err) or "was not found" in str(err)
+
+
+Redactor = Callable[[str], str]
+
+
+class GcloudExecutor:
+    """Runs gcloud argv lists. The only place in the launcher that starts a process.
+
+    `env` replaces the environment (the local backend puts the emulator first on PATH), `record`
+    gets every command line as run (tests check it for secrets), `redact` cleans what is printed.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None, record: Callable[[str], None] | None = None,
+                 redact: Redactor | None = None, echo: Callable[[str], None] | None = None):
+        self.env = dict(env) if env is not None else None
+        self.record = record
+        self.redact = redact or (lambda s: s)
+        self.echo = echo
+
+    def _start(self, argv: Sequence[str]) -> None:
+        line = self.redact(format_command(argv))
+        if self.record:
+            self.record(line)
+        if self.echo:
+            self.echo(line)
+
+    def run(self, argv: Sequence[str], *, check: bool = True, timeout: float | None = None) -> CommandResult:
+        self._start(argv)
+        try:
+            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                                  env=self.env, stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise UserError(INSTALL_HINT) from None
+        except subprocess.TimeoutExpired:
+            raise RemoteTimeout(f"`{' '.join(argv[:5])} ...` did not answer within {timeout:.0f} s.") from None
+        result = CommandResult(list(argv), proc.returncode, self.redact(proc.stdout), self.redact(proc.stderr))
+        if check and proc.returncode != 0:
+            raise GcloudError(one_line(result.stderr) or f"gcloud exited with code {proc.returncode}.",
+                              proc.returncode, result.stderr)
+        return result
+
+    def stream(self, argv: Sequence[str], on_line: Callable[[str], None]) -> int:
+        """Run and hand each output line to `on_line` as it comes; Ctrl-C stops only this command."""
+        self._start(argv)
+        try:
+            proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=self.env, stdin=subprocess.DEVNULL, bufsize=1)
+        except FileNotFoundError:
+            raise UserError(INSTALL_HINT) from None
+        try:
+            for line in proc.stdout:
+                on_line(self.redact(line.rstrip("\n")))
+            return proc.wait()
+        finally:
+            if proc.poll() is None:  # KeyboardInterrupt: end the local ssh, the remote run goes on
+                proc.terminate()
+                proc.wait()
+
+
+class DryRunExecutor(GcloudExecutor):
+    """Prints each command instead of running it; `answer(argv)` supplies plausible output."""
+
+    def __init__(self, answer: Callable[[Sequence[str]], str] = lambda argv: "",
+                 out: Callable[[str], None] | None = None):
+        super().__init__(echo=out or (lambda s: print(s, file=sys.stdout, flush=True)))
+        self.answer = answer
+
+    def run(self, argv, *, check=True, timeout=None) -> CommandResult:
+        self._start(argv)
+        return CommandResult(list(argv), 0, self.answer(argv), "")
+
+    def stream(self, argv, on_line) -> int:
+        self._start(argv)
+        return 0
+
+
+def default_env_with_path(prefix_dir: str, extra: Mapping[str, str] | None = None) -> dict:
+    """This process's environment with `prefix_dir` first on PATH (used to point at the emulator)."""
+    env = dict(os.environ)
+    env["PATH"] = prefix_dir + os.pathsep + env.get("PATH", "")
+    env.update(extra or {})
+    return env
+
+
+_SECRETISH = re.compile(r"(?i)(token|secret|password|key)")
+
+
+def looks_secret(name: str) -> bool:
+    """Env names that look like credentials are treated as secrets even when passed with --env."""
+    return bool(_SECRETISH.search(name))
