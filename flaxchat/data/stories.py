@@ -28,13 +28,24 @@ from typing import Iterator
 
 _GIRLS = ("Lily", "Mia", "Sue", "Anna", "Lucy", "Emma", "Zoe", "Sara", "Ella", "Ruby", "Amy", "Nora",
           "Rosa", "Maya", "Ivy", "Kate", "Jane", "Daisy", "Molly", "Hana", "Lena", "Clara", "Grace",
-          "Poppy", "Ada", "Nina", "Tess", "Bella", "Iris", "June", "Alma", "Priya", "Leila", "Mei")
+          "Poppy", "Ada", "Nina", "Tess", "Bella", "Iris", "June", "Alma", "Priya", "Leila", "Mei",
+          "Olivia", "Sophie", "Chloe", "Hazel", "Violet", "Stella", "Luna", "Aria", "Naomi", "Elsa",
+          "Fatima", "Aisha", "Yara", "Sofia", "Lucia", "Frida", "Greta", "Heidi", "Ingrid", "Kira",
+          "Lola", "Mabel", "Nell", "Opal", "Pearl", "Quinn", "Rita", "Sadie", "Thea", "Uma", "Vera",
+          "Wendy", "Xenia", "Yuki", "Zara", "Bea", "Cora", "Dina", "Edie", "Fay", "Gina", "Holly")
 _BOYS = ("Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Finn", "Omar", "Jamal", "Kai", "Eli",
          "Noah", "Theo", "Hugo", "Ravi", "Milo", "Oscar", "Jake", "Luca", "Ned", "Pete", "Arlo",
-         "Ollie", "Ivan", "Toby", "Remy", "Abe", "Dan", "Kenji", "Mateo", "Sami", "Yusuf", "Felix")
+         "Ollie", "Ivan", "Toby", "Remy", "Abe", "Dan", "Kenji", "Mateo", "Sami", "Yusuf", "Felix",
+         "Oliver", "Henry", "Jasper", "Louis", "Arthur", "Caleb", "Dylan", "Ethan", "Gabe", "Isaac",
+         "Jonah", "Kofi", "Liam", "Marco", "Nico", "Otto", "Pablo", "Rafael", "Simon", "Tariq",
+         "Umar", "Victor", "Walter", "Xavier", "Yosef", "Zane", "Bruno", "Cyrus", "Diego", "Emil",
+         "Frank", "Gus", "Hamza", "Idris", "Joel", "Karl", "Lars", "Moses", "Neil", "Owen", "Rory")
 _PET_NAMES = ("Pip", "Bun", "Spot", "Coco", "Fluffy", "Whiskers", "Patch", "Bubbles", "Hoppy", "Nutmeg",
               "Pebble", "Sunny", "Biscuit", "Twig", "Momo", "Ziggy", "Dot", "Button", "Maple",
-              "Puddle", "Clover", "Acorn", "Pepper", "Fern", "Waffles", "Bean", "Sprout", "Honey")
+              "Puddle", "Clover", "Acorn", "Pepper", "Fern", "Waffles", "Bean", "Sprout", "Honey",
+              "Pickles", "Noodle", "Dumpling", "Marbles", "Socks", "Tumble", "Wiggles", "Peanut",
+              "Cinnamon", "Thimble", "Juniper", "Bramble", "Paws", "Mittens", "Scout", "Shadow",
+              "Pumpkin", "Toffee", "Mochi", "Gizmo", "Tinker", "Snowball", "Custard", "Radish")
 # (kind, how it moves, where it lives)
 _ANIMALS = (
     ("bunny", "hopped", "in a cozy burrow under an old oak tree"),
@@ -61,7 +72,9 @@ _ANIMALS = (
 _HUMAN_HOMES = ("in a small house by the river", "in a cozy home at the edge of the forest",
                 "on a busy farm", "in a little village near the hills", "in a tall building in the city",
                 "in a yellow house on a quiet street", "in a blue house near the sea",
-                "in a cottage with a big garden", "in a town full of trees")
+                "in a cottage with a big garden", "in a town full of trees", "in the town of {town}",
+                "in a little house in {town}", "on a quiet lane in the village of {town}",
+                "above the bakery in {town}")
 _TRAITS = ("kind", "curious", "brave", "shy", "cheerful", "silly", "clever", "gentle", "playful",
            "careful", "busy", "friendly", "quiet", "proud", "stubborn", "funny", "helpful", "sleepy")
 _SIZES = ("little", "small", "young", "tiny", "sweet", "happy", "curious", "friendly", "cheerful")
@@ -198,7 +211,51 @@ _MYSTERIES = (
     ("a set of muddy footprints", "footprints", "The footprints led to a mother deer and her baby, sleeping in the grass."),
     ("a secret path behind the bushes", "path", "At the end of the path was a hidden garden full of strawberries."),
 )
+# Broader vocabulary for the descriptive beats. Beyond variety, it sets how many BPE merges the
+# corpus supports: with the arc words alone, merges run out near a 2,300-token vocabulary, short
+# of the 4,096 a small model wants.
+_TOWN_PARTS = ("Willow Maple Oak Ash Pine Elm Birch Cedar Hazel Clover Fern Moss Stone River Brook Hill "
+               "Sun Moon Star Rain Snow Frost Honey Apple Berry Plum Pepper Thistle Bramble Amber Silver "
+               "Golden Copper Rose Holly Briar Meadow Marsh Fox Deer Wren Robin Lark Swan Otter Badger "
+               "Button Puddle Cricket Daisy").split(), (
+               "brook wood field dale ford ton bury vale hollow stead well ridge mere combe haven port "
+               "gate moor wick shire").split()
+_SURNAME_ENDS = "bottom worth by kins ley son stone more berry smith wright man ham ing ridge".split()
+_JOBS = ("baker", "farmer", "doctor", "teacher", "fisherman", "painter", "mail carrier", "firefighter",
+         "librarian", "gardener", "carpenter", "shopkeeper", "beekeeper", "tailor", "potter", "nurse")
 _LISTS = {
+    "color": tuple("red blue green yellow purple pink orange brown white gray golden silver violet "
+                   "scarlet crimson lavender turquoise amber".split()),
+    "flowers": tuple("daisies tulips roses sunflowers poppies daffodils dandelions bluebells buttercups "
+                     "marigolds lilacs snowdrops orchids pansies primroses violets".split()),
+    "animals": tuple("robins sparrows crows pigeons swans geese herons woodpeckers parrots eagles seagulls "
+                     "ladybugs beetles ants caterpillars dragonflies fireflies grasshoppers crickets moths "
+                     "worms snails deer badgers otters beavers moles bats lizards crabs dolphins seals cows "
+                     "sheep horses chickens donkeys goats butterflies bees ducks frogs rabbits squirrels "
+                     "hedgehogs mice owls foxes turkeys peacocks kittens puppies".split()),
+    "number": tuple("two three four five six seven eight nine ten eleven twelve".split()),
+    "foods": tuple("apples pears plums cherries bananas grapes peaches carrots peas potatoes tomatoes "
+                   "strawberries blueberries raspberries oranges nuts cookies muffins pancakes waffles "
+                   "noodles sandwiches cupcakes biscuits crackers pretzels dumplings olives".split()),
+    "drink": ("warm milk", "cold lemonade", "hot cocoa", "apple juice", "mint tea", "fresh water",
+              "orange juice", "a cup of soup"),
+    "clothes": tuple("boots raincoat mittens sweater jacket scarf hat socks sneakers sandals overalls "
+                     "dress pajamas gloves cap vest".split()),
+    "instrument": tuple("piano violin flute guitar trumpet harp banjo xylophone tambourine ukulele "
+                        "harmonica cello accordion".split()),
+    "vehicle": ("bus", "tractor", "train", "truck", "bicycle", "fire engine", "ice cream van",
+                "delivery van", "horse and cart", "motorbike", "taxi", "school bus"),
+    "weather": ("The sun was shining brightly.", "Fluffy white clouds floated across the sky.",
+                "A soft rain was falling.", "The wind whistled through the trees.",
+                "Snowflakes drifted down from the gray sky.", "A rainbow stretched across the sky.",
+                "The air was warm and still.", "Thick fog covered the ground.",
+                "Frost sparkled on the grass.", "Thunder rumbled far away.", "Puddles shone after the rain."),
+    "activity": ("built a fort out of pillows", "painted a picture of the sea", "made paper boats",
+                 "played tag in the yard", "read a story about pirates", "planted sunflower seeds",
+                 "fed the ducks", "jumped in a pile of leaves", "made a chain of <flowers>",
+                 "played catch", "baked <foods> with {his} {par}", "blown soap bubbles",
+                 "drawn castles with chalk", "sung silly songs", "learned a song on the <instrument>",
+                 "watched the <animals> in the field", "ridden on the <vehicle>", "hunted for <color> pebbles"),
     "happy": ("happy", "glad", "very happy", "so happy", "full of joy", "excited", "proud"),
     "sad": ("sad", "upset", "very sad", "unhappy", "gloomy"),
     "scared": ("scared", "afraid", "nervous", "worried", "a little scared"),
@@ -206,11 +263,8 @@ _LISTS = {
     "replied": ("said", "replied", "answered"),
     "cried": ("cried", "shouted", "said", "called out"),
     "smiled": ("smiled", "grinned", "beamed", "laughed"),
-    "quickly": ("quickly", "fast", "as fast as {he} could", "right away"),
     "together": ("together", "side by side", "all together"),
     "good": ("good", "nice", "lovely", "wonderful", "great"),
-    "big": ("big", "huge", "warm", "tight"),
-    "later": ("Later", "After that", "Then", "Soon", "A little later"),
     "end": ("The end.", "And they all lived happily ever after.", "It was the best day ever.",
             "That night, {N} went to sleep with a big smile.", "And that is the story of {N} and {F}.", ""),
 }
@@ -290,6 +344,7 @@ _OPENING = ((
      "{N} was {trait_a} {kind}, and {his} favorite thing was to {hobby}.",
      "Every day, {N} liked to {hobby}.",
      "More than anything, {N} loved to {hobby}."),
+    "@",
     ("?{N}'s best friend was {F_intro}.",
      "?{N} had a friend named {F}, who was {F_a_kind}.",
      "?{F} was {N}'s [best|closest|dearest] friend."),
@@ -454,6 +509,22 @@ _ARCS = {
     ),
 }
 _ARC_NAMES = tuple(_ARCS)
+# "@" beats in the arcs draw one of these (optional, like "?" beats).
+_DETAILS = (
+    "<weather>",
+    "[Near the path|Nearby|Not far away], {he} saw <number> <animals>.",
+    "{He} [wore|had on] {his} <color> <clothes>.",
+    "[For lunch|For a snack|At noon], {N} ate some <foods> and drank <drink>.",
+    "The air smelled of <flowers>.",
+    "<color> and <color> <flowers> grew [along the path|by the fence|everywhere].",
+    "[Somewhere|Far away|Down the street], someone was playing the <instrument>.",
+    "A <vehicle> [went|rolled|rumbled] past.",
+    "{nb}, the {nb_job}, waved [hello|from the window|and smiled].",
+    "Everyone in {town} knew {N}.",
+    "{N} [hummed a little song|skipped along|counted the clouds|looked at the <animals>].",
+    "Earlier that day, {N} and {F} had <activity>.",
+    "{He} had already <activity> [that morning|before breakfast|the day before].",
+)
 # Beats told after the resolution and before the moral, whatever the arc.
 _EVENING = (
     "?That [evening|night], {N} told {his} {par} [all about the day|the whole story|what had happened].",
@@ -485,7 +556,7 @@ def _slots(rng: random.Random) -> dict:
     friend = _character(rng, avoid=hero["name"])
     he, him, his = ("she", "her", "her") if hero["female"] else ("he", "him", "his")
     fhe, fhim, fhis = ("she", "her", "her") if friend["female"] else ("he", "him", "his")
-    par, par_ref, parhe = rng.choice(_PARENTS)
+    _, par_ref, parhe = rng.choice(_PARENTS)
     obj, adjs = rng.choice(_OBJECTS)
     place, at_place, spots, sights = rng.choice(_PLACES)
     spot1, spot2, spot3 = rng.sample(spots, 3)
@@ -495,7 +566,11 @@ def _slots(rng: random.Random) -> dict:
     cr, cr_s, cr_help, cr_after = rng.choice(_CREATURES)
     rule, rule_bad = rng.choice(_RULES)
     myst, myst_s, myst_find = rng.choice(_MYSTERIES)
+    town = rng.choice(_TOWN_PARTS[0]) + rng.choice(_TOWN_PARTS[1])
+    neighbor = rng.choice(("Mr.", "Mrs.", "Old Mr.", "Old Mrs.", "Miss"))
+    surname = rng.choice(_TOWN_PARTS[0]) + rng.choice(_SURNAME_ENDS)
     s = {
+        "town": town, "nb": f"{neighbor} {surname}", "nb_job": rng.choice(_JOBS),
         "N": hero["name"], "kind": hero["kind"], "home": hero["home"],
         "N_intro": f"{_a(size)} {hero['kind']} named {hero['name']}", "N_a_size": _a(size),
         "he": he, "He": he.capitalize(), "him": him, "his": his, "His": his.capitalize(),
@@ -503,14 +578,16 @@ def _slots(rng: random.Random) -> dict:
         "trait_a": _a(trait), "hobby": rng.choice(_HOBBIES),
         "F": friend["name"], "F_kind": friend["kind"], "F_a_kind": _a(friend["kind"]),
         "F_intro": f"{_a(friend['kind'])} named {friend['name']}", "fhe": fhe, "fhim": fhim, "fhis": fhis,
-        "par": par_ref, "Par": par, "parhe": parhe,
+        "par": par_ref, "parhe": parhe,
         "O": obj, "O_a": _a(f"{rng.choice(adjs)} {obj}"),
         "P": place, "at_P": at_place, "spot1": spot1, "spot2": spot2, "spot3": spot3,
         "P_sight": rng.choice(sights), "Time": rng.choice(_TIMES),
         "fear": fear, "fear_trigger": fear_trigger, "fear_face": fear_face, "fear_after": fear_after,
         "skill": skill, "skilling": skilling, "skill_fail": skill_fail, "skill_win": skill_win,
         "cr": cr, "cr_s": cr_s, "cr_help": cr_help, "cr_after": cr_after,
-        "rule_you": rule.replace("{his}", "your"), "dish": rng.choice(("cup", "plate", "vase", "bowl", "teapot")), "rule": rule, "rule_bad": rule_bad, "myst": myst, "myst_s": myst_s, "myst_find": myst_find,
+        "rule": rule, "rule_you": rule.replace("{his}", "your"), "rule_bad": rule_bad,
+        "dish": rng.choice(("cup", "plate", "vase", "bowl", "teapot")),
+        "myst": myst, "myst_s": myst_s, "myst_find": myst_find,
     }
     # Some vocabulary carries pronoun slots ("tie {his} shoes"); resolve them once per story.
     for k, v in s.items():
@@ -525,6 +602,8 @@ def _render(paragraphs: tuple, rng: random.Random, slots: dict, keep_optional: f
         sentences = []
         for beat in para:
             template = beat if isinstance(beat, str) else rng.choice(beat)
+            if template == "@":
+                template = "?" + rng.choice(_DETAILS)
             if template[0] == "?":
                 if rng.random() >= keep_optional:
                     continue
@@ -546,8 +625,7 @@ def story(seed: int, i: int, split: str = "train") -> str:
     """Story number `i` of the corpus (seed, split): 100-300 words, the same text in every process."""
     rng = _rng(seed, split, i)
     slots = _slots(rng)
-    arc = _ARCS[rng.choice(_ARC_NAMES)]
-    arc = arc[:-1] + (arc[-1][:-2] + _EVENING + arc[-1][-2:],)
+    arc = _arc_with_details(rng.choice(_ARC_NAMES))
     state = rng.getstate()
     text = _render_story(arc, rng, slots, keep_optional=0.5)
     words = text.count(" ") + text.count("\n") + 1
@@ -557,6 +635,16 @@ def story(seed: int, i: int, split: str = "train") -> str:
         rng.setstate(state)
         text = _render_story(arc, rng, slots, keep_optional=1.0 if words < 100 else 0.0)
     return text
+
+
+@functools.lru_cache(maxsize=None)
+def _arc_with_details(name: str) -> tuple:
+    """The arc with detail beats ("@") sprinkled in and the evening beats before the moral."""
+    first, *middle, last = _ARCS[name]
+    first = first[:2] + ("@",) + first[2:]
+    middle = [para + ("@",) for para in middle]
+    last = last[:-2] + _EVENING + last[-2:]
+    return (first, *middle, last)
 
 
 def _render_story(arc: tuple, rng: random.Random, slots: dict, keep_optional: float) -> str:
