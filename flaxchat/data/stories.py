@@ -616,25 +616,33 @@ def _render(paragraphs: tuple, rng: random.Random, slots: dict, keep_optional: f
     return out
 
 
+class _Rng(random.Random):
+    def choice(self, seq):
+        # One C call instead of the stdlib's rejection loop: generation is ~30% faster. The bias
+        # (at most len(seq)/2**53) is irrelevant here.
+        return seq[int(self.random() * len(seq))]
+
+
 def _rng(seed: int, split: str, index: int) -> random.Random:
     digest = hashlib.blake2b(f"flaxchat-stories/{seed}/{split}/{index}".encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(digest, "little"))
+    return _Rng(int.from_bytes(digest, "little"))
 
 
 def story(seed: int, i: int, split: str = "train") -> str:
     """Story number `i` of the corpus (seed, split): 100-300 words, the same text in every process."""
+    text, words = _draw(seed, split, i, keep_optional=0.5)
+    if not 100 <= words <= 300:
+        # Optional beats make the length vary; redraw the same story with them biased the right way.
+        text, _ = _draw(seed, split, i, keep_optional=1.0 if words < 100 else 0.0)
+    return text
+
+
+def _draw(seed: int, split: str, i: int, keep_optional: float) -> tuple[str, int]:
     rng = _rng(seed, split, i)
     slots = _slots(rng)
     arc = _arc_with_details(rng.choice(_ARC_NAMES))
-    state = rng.getstate()
-    text = _render_story(arc, rng, slots, keep_optional=0.5)
-    words = text.count(" ") + text.count("\n") + 1
-    if not 100 <= words <= 300:
-        # Optional beats make the length vary; redraw them biased the right way (same RNG state,
-        # so still deterministic).
-        rng.setstate(state)
-        text = _render_story(arc, rng, slots, keep_optional=1.0 if words < 100 else 0.0)
-    return text
+    text = "\n".join(_render(_OPENING, rng, slots, keep_optional) + _render(arc, rng, slots, keep_optional))
+    return text, text.count(" ") + text.count("\n") + 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -645,10 +653,6 @@ def _arc_with_details(name: str) -> tuple:
     middle = [para + ("@",) for para in middle]
     last = last[:-2] + _EVENING + last[-2:]
     return (first, *middle, last)
-
-
-def _render_story(arc: tuple, rng: random.Random, slots: dict, keep_optional: float) -> str:
-    return "\n".join(_render(_OPENING, rng, slots, keep_optional) + _render(arc, rng, slots, keep_optional))
 
 
 class StoriesCorpus:
