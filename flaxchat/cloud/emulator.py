@@ -43,6 +43,7 @@ STATE_ENV = "FLAXCHAT_GCLOUD_EMULATOR_DIR"
 DELAY_ENV = "FLAXCHAT_GCLOUD_EMULATOR_CREATE_SECONDS"
 TAG_ENV = "FLAXCHAT_EMULATOR_VM"  # every process of a worker carries it, so preempt finds them all
 ORIG_PYTHONPATH_ENV = "FLAXCHAT_EMULATOR_ORIG_PYTHONPATH"
+EMULATOR_LABEL = "flaxchat-emulator"
 WORKER_IP = "127.0.0.1"  # all workers share this machine's loopback, described as internal IPs
 
 # Which TPU generations each zone offers (Google's "TPU regions and zones" page, abridged).
@@ -140,6 +141,9 @@ def describe_json(node: dict) -> dict:
     """The node in Google's `describe --format=json` shape."""
     out = {k: node[k] for k in ("name", "acceleratorType", "state", "runtimeVersion", "createTime", "health",
                                 "networkEndpoints", "apiVersion", "id")}
+    # A label (a real field of Google's shape) tells the launcher these workers share this machine's
+    # Python, so it must not run the TPU install (pip install jax[tpu]) on them.
+    out["labels"] = {EMULATOR_LABEL: "true"}
     sched = {k: True for k in ("preemptible", "spot") if node["scheduling"].get(k)}
     if sched:  # Google omits schedulingConfig fields that are false
         out["schedulingConfig"] = sched
@@ -204,6 +208,9 @@ def _worker_env(project, zone, name, worker) -> dict:
         else:
             env.pop("PYTHONPATH", None)
     env.pop(STATE_ENV, None)
+    # Every worker shares this machine's Python: a pip install meant for a real VM would change it
+    # for everyone (and point it at a worker folder). Make any pip install a dry run.
+    env["PIP_DRY_RUN"] = "1"
     return env
 
 
@@ -235,6 +242,14 @@ def run_on_workers(project, zone, name, node, workers, command) -> int:
         for t in threads:
             t.start()
         procs.append((w, p, threads))
+
+    def hang_up(signum, frame):  # the local end went away (Ctrl-C on `--logs`): ssh hangs up the remote
+        for _, p, _ in procs:    # commands; what they started detached (the training) goes on
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGHUP)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, hang_up)
+    signal.signal(signal.SIGINT, hang_up)
     for w, p, threads in procs:
         codes[w] = p.wait()
         for t in threads:

@@ -206,6 +206,8 @@ def one_line(stderr: str, limit: int = 400) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     start = next((i for i, ln in enumerate(lines) if ln.startswith("ERROR:")), max(0, len(lines) - 3))
     text = " ".join(" ".join(lines[start:]).split())
+    if text.startswith("ERROR: "):  # callers print "error: ..." already
+        text = "gcloud said: " + text[len("ERROR: "):]
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -22,6 +22,7 @@ the command in its own process group, and writes into the state folder (default 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -43,11 +44,18 @@ STEP_RE = re.compile(r"step\s+(\d+)(?:\s*/\s*(\d+))?.*?\bloss\s+([-+0-9.eE]+|nan
 TOKS_RE = re.compile(r"tok/s\s+([\d,]+(?:\.\d+)?)")
 
 
+@functools.lru_cache(maxsize=None)
 def worker_id() -> int:
     """This worker's index in the slice: the emulator (or LocalRunner) sets FLAXCHAT_WORKER_ID; on a
     real TPU VM, Google's metadata server has it as `agent-worker-number`."""
     if os.environ.get("FLAXCHAT_WORKER_ID", "").isdigit():
         return int(os.environ["FLAXCHAT_WORKER_ID"])
+    try:  # only a Google Compute Engine VM has the metadata server; elsewhere do not wait for it
+        with open("/sys/class/dmi/id/product_name") as f:
+            if "Google" not in f.read():
+                return 0
+    except OSError:
+        return 0
     try:
         req = urllib.request.Request(METADATA_WORKER_URL, headers={"Metadata-Flavor": "Google"})
         with urllib.request.urlopen(req, timeout=2) as resp:

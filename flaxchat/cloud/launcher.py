@@ -1,0 +1,758 @@
+"""Train on a Cloud TPU VM or pod slice: create, set up, run on every worker, watch, recover, tear down.
+
+    python -m flaxchat.cloud.launcher --project=my-project --zone=us-central2-b \\
+        --tpu-name=flaxchat-d24 --accelerator=v4-8 --create --setup --upload=.
+    python -m flaxchat.cloud.launcher --project=my-project --run "python -m scripts.pretrain --depth=24"
+    python -m flaxchat.cloud.launcher --project=my-project --logs        # Ctrl-C detaches
+    python -m flaxchat.cloud.launcher --project=my-project --health
+    python -m flaxchat.cloud.launcher --project=my-project --recover "python -m scripts.pretrain --depth=24"
+    python -m flaxchat.cloud.launcher --project=my-project --teardown
+
+Add --backend=local to rehearse all of it on this machine (flaxchat.cloud.emulator plays gcloud),
+and --dry-run to print the exact gcloud commands without running them. The VM that --create made
+is remembered per project (~/.flaxchat/launcher.json), so later calls need only --project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from typing import Any, Callable, Mapping
+
+from flaxchat.cloud import gcloud as g
+from flaxchat.cloud import recovery as rec
+from flaxchat.cloud.topology import check_process_count, default_runtime_version, topology_for
+from flaxchat.errors import UserError, cli_main
+from flaxchat.remote.base import RemoteError, RemoteRunner, RemoteTimeout, RunResult, RunStatus
+
+TPU_INSTALL = 'python3 -m pip install -q -U pip && python3 -m pip install -q -e . "jax[tpu]"'
+LOCAL_INSTALL = 'python3 -c "import flaxchat"'  # the emulated workers share this machine's Python
+STATE_ENV = "FLAXCHAT_LAUNCHER_STATE"
+
+
+@dataclasses.dataclass
+class TPUConfig:
+    project: str = ""
+    zone: str = "us-central2-b"
+    tpu_name: str = "flaxchat"
+    accelerator_type: str = "v4-8"
+    preemptible: bool = False  # old-style preemptible VM (`create --preemptible`)
+    spot: bool = False  # spot capacity through a queued resource (Google's way for v5e/v5p/v6e)
+    runtime_version: str = ""  # "" = Google's default image for the generation
+    backend: str = "gcloud"  # "gcloud", or "local": the emulator on this machine (a rehearsal)
+    emulator_dir: str = ""  # local backend state; default ~/.flaxchat/emulator
+    coordinator_port: int = g.COORDINATOR_PORT
+    install_command: str = ""  # default: jax[tpu] + `pip install -e .` (a check only, on the local backend)
+    startup_check_s: float = 5.0  # how long `run` watches for a command that exits at once
+    poll_s: float = 10.0  # wait()'s poll interval
+
+    def validate(self) -> "TPUConfig":
+        if not self.project:
+            raise UserError("no --project given and no TPU VM remembered; pass --project=YOUR_GCP_PROJECT.")
+        topology_for(self.accelerator_type)  # unknown type: one sentence listing the valid ones
+        if self.backend not in ("gcloud", "local"):
+            raise UserError(f"unknown --backend {self.backend!r}; use 'gcloud' or 'local'.")
+        return self
+
+    @property
+    def version(self) -> str:
+        return self.runtime_version or default_runtime_version(self.accelerator_type)
+
+    @property
+    def queued_resource(self) -> str:
+        return f"{self.tpu_name}-qr"
+
+    def install_for(self, node: dict) -> str:
+        return self.install_command or (LOCAL_INSTALL if is_local(self, node) else TPU_INSTALL)
+
+
+def is_local(config: TPUConfig, node: dict | None) -> bool:
+    """True when the workers are the emulator's folders on this machine (backend local, or the
+    emulator first on PATH, as in the tests): they share this machine's Python and have no TPU."""
+    return config.backend == "local" or bool((node or {}).get("labels", {}).get("flaxchat-emulator"))
+
+
+def state_path() -> str:
+    return os.path.expanduser(os.environ.get(STATE_ENV) or os.path.join("~", ".flaxchat", "launcher.json"))
+
+
+def load_state() -> dict:
+    try:
+        with open(state_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(state: dict) -> None:
+    os.makedirs(os.path.dirname(state_path()), exist_ok=True)
+    tmp = state_path() + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=2)
+    os.replace(tmp, state_path())
+
+
+def run_dir_of(command: str) -> str | None:
+    """The run folder a training command writes (its COMPLETE marker and checkpoints live there)."""
+    words = shlex.split(command)
+    for i, w in enumerate(words):
+        if w.startswith("--run-dir="):
+            return w.split("=", 1)[1]
+        if w == "--run-dir" and i + 1 < len(words):
+            return words[i + 1]
+    return "runs/default" if "scripts.pretrain" in words else None  # pretrain's own default
+
+
+def repo_files(root: str) -> list[str]:
+    """Files to upload: `git ls-files` (tracked + untracked not ignored), so .gitignore is honoured."""
+    try:
+        out = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, check=True).stdout.decode()
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", "__pycache__", ".venv", "runs", ".pytest_cache"}
+        files = [os.path.relpath(os.path.join(d, f), root) for d, dirs, fs in os.walk(root)
+                 for f in fs if not dirs.__setitem__(slice(None), [x for x in dirs if x not in skip])]
+    return sorted(f for f in set(files) if os.path.isfile(os.path.join(root, f)))
+
+
+def make_tarball(root: str, dest: str, extra: str = "") -> str:
+    """Pack the repo into dest; return a hash of the contents (+ extra) that ignores mtimes."""
+    h = hashlib.sha256(extra.encode())
+    with tarfile.open(dest, "w:gz") as tar:
+        for rel in repo_files(root):
+            path = os.path.join(root, rel)
+            with open(path, "rb") as f:
+                h.update(rel.encode() + b"\0" + f.read())
+            tar.add(path, arcname=rel)
+    return h.hexdigest()[:16]
+
+
+def parse_worker_lines(stdout: str) -> dict[int, dict]:
+    """worker.py's `FLAXCHAT {json}` lines from a --worker=all ssh, by worker id."""
+    found = {}
+    for line in stdout.splitlines():
+        if line.startswith("FLAXCHAT {"):
+            try:
+                obj = json.loads(line[len("FLAXCHAT "):])
+            except ValueError:
+                continue
+            found[int(obj.get("worker", 0))] = obj
+    return found
+
+
+def _age(seconds) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def format_health(report: dict) -> str:
+    """The health report as a table, one row per worker, then one line per problem."""
+    lines = [f"TPU VM {report['vm']} ({report['accelerator']}, {report['zone']}): {report['state']}"]
+    if report["workers"]:
+        lines.append(f"{'worker':<7}{'process':<10}{'exit':<6}{'step':<13}{'loss':<9}{'tok/s':<11}"
+                     f"{'heartbeat':<11}{'disk':<7}last line")
+    for w in report["workers"]:
+        if not w.get("reachable", True):
+            lines.append(f"{w['worker']:<7}unreachable")
+            continue
+        step = f"{w['step']}/{w['steps'] or '?'}" if w.get("step") is not None else "-"
+        loss = f"{w['loss']:.4f}" if w.get("loss") is not None else "-"
+        toks = f"{w['tok_s']:,.0f}" if w.get("tok_s") is not None else "-"
+        code = "-" if w.get("exit_code") is None else str(w["exit_code"])
+        lines.append(f"{w['worker']:<7}{w['state']:<10}{code:<6}{step:<13}{loss:<9}{toks:<11}"
+                     f"{_age(w.get('heartbeat_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
+                     f"{(w.get('last_line') or '')[:80]}")
+    lines += [f"problem: {p}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[str]:
+    problems = [] if state == "READY" else [f"the VM is {state}"]
+    for w in workers:
+        i = w["worker"]
+        if not w.get("reachable", True):
+            problems.append(f"worker {i} does not answer ssh")
+        elif w["state"] == "exited" and w["exit_code"] != 0:
+            problems.append(f"worker {i} crashed (exit {w['exit_code']}): {w.get('last_line', '')}")
+        elif w["state"] == "killed":
+            problems.append(f"worker {i}'s process was killed (no exit code): {w.get('last_line', '')}")
+        elif w["state"] == "running" and (w.get("heartbeat_age") or 0) > deadline_s:
+            problems.append(f"worker {i} has printed nothing for {_age(w['heartbeat_age'])} (hung?)")
+    return problems
+
+
+class TPULauncher(RemoteRunner):
+    """A TPU VM (one worker) or pod slice (many), driven through gcloud. See the module docstring."""
+
+    def __init__(self, config: TPUConfig, *, executor: g.GcloudExecutor | None = None,
+                 out: Callable[[str], None] | None = None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.time):
+        self.config = config.validate()
+        self.say = out or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.sleep, self.clock = sleep, clock
+        self._secrets: dict[str, str] = {}
+        self.ex = executor or self._default_executor()
+        self.ex.redact = self._redact
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def _default_executor(self) -> g.GcloudExecutor:
+        if self.config.backend != "local":
+            return g.GcloudExecutor()
+        from flaxchat.cloud import emulator  # the local backend only: the emulator and its shim
+        edir = os.path.expanduser(self.config.emulator_dir or os.path.join("~", ".flaxchat", "emulator"))
+        os.environ.setdefault(emulator.STATE_ENV, edir)
+        bin_dir = os.path.dirname(emulator.install_shim(os.path.join(edir, "bin")))
+        return g.GcloudExecutor(env=g.default_env_with_path(bin_dir, {emulator.STATE_ENV: edir}))
+
+    def _redact(self, text: str) -> str:
+        for v in sorted((v for v in self._secrets.values() if v), key=len, reverse=True):
+            text = text.replace(v, "***")
+        return text
+
+    def _where(self):
+        c = self.config
+        return c.project, c.zone, c.tpu_name
+
+    def _ssh(self, command: str, worker="all", check=True, timeout=600.0) -> g.CommandResult:
+        return self.ex.run(g.tpu_ssh(*self._where(), command, worker), check=check, timeout=timeout)
+
+    def _record(self, **fields) -> dict:
+        """Remember this VM (and the latest run) for later calls that name only --project."""
+        if isinstance(self.ex, g.DryRunExecutor):  # a dry run changes nothing, not even this file
+            return {}
+        state = load_state()
+        vms = state.setdefault("vms", {})
+        entry = vms.get(self.config.project, {})
+        if entry.get("tpu_name") != self.config.tpu_name:
+            entry = {}
+        entry.update(dataclasses.asdict(self.config), **fields)
+        vms[self.config.project] = entry
+        state["last"] = self.config.project
+        save_state(state)
+        return entry
+
+    def remembered(self) -> dict:
+        entry = load_state().get("vms", {}).get(self.config.project, {})
+        return entry if entry.get("tpu_name") == self.config.tpu_name else {}
+
+    def describe(self) -> dict | None:
+        """`describe --format=json`, or None when the VM does not exist."""
+        try:
+            return json.loads(self.ex.run(g.tpu_describe(*self._where()), timeout=120).stdout or "{}")
+        except g.GcloudError as e:
+            if g.is_not_found(e):
+                return None
+            raise
+
+    def _ready_node(self) -> dict:
+        node = self.describe()
+        c = self.config
+        if node is None:
+            raise UserError(f"TPU VM {c.tpu_name} does not exist in {c.zone} (project {c.project}); "
+                            "create it first with --create.")
+        if node.get("state") != "READY":
+            raise RemoteError(f"TPU VM {c.tpu_name} is {node.get('state')}, not READY; "
+                              "use --recover to bring it back, or --health to look.")
+        return node
+
+    # --- create / setup / teardown ----------------------------------------------------------------
+
+    def create(self) -> dict:
+        """Create the VM, or reuse a READY one; a PREEMPTED/TERMINATED one is deleted and made again."""
+        c = self.config
+        node = self.describe()
+        if node is not None and node.get("state") in ("PREEMPTED", "TERMINATED"):
+            self.say(f"TPU VM {c.tpu_name} is {node['state']}: deleting it to create it again")
+            self._delete()
+            node = None
+        if node is not None:
+            if node.get("acceleratorType") not in (None, c.accelerator_type):
+                raise UserError(f"TPU VM {c.tpu_name} already exists as a {node['acceleratorType']}, not a "
+                                f"{c.accelerator_type}; choose another --tpu-name or --teardown it first.")
+            self.say(f"reusing TPU VM {c.tpu_name} ({node.get('state')})")
+        elif c.spot:
+            self.say(f"requesting spot {c.accelerator_type} {c.tpu_name} in {c.zone} (queued resource "
+                     f"{c.queued_resource})")
+            self.ex.run(g.qr_create(c.project, c.zone, c.queued_resource, c.tpu_name, c.accelerator_type, c.version))
+        else:
+            self.say(f"creating TPU VM {c.tpu_name} ({c.accelerator_type}) in {c.zone}")
+            self.ex.run(g.tpu_create(*self._where(), c.accelerator_type, c.version, c.preemptible), timeout=3600)
+        node = self._wait_until_ready()
+        n, table = len(node.get("networkEndpoints", [])), topology_for(c.accelerator_type).workers
+        if n != table:
+            self.say(f"note: the VM has {n} worker(s); the topology table says {table}; using {n}")
+        self._record(setup_hash=None if self.remembered().get("created") != node.get("createTime")
+                     else self.remembered().get("setup_hash"), created=node.get("createTime"))
+        self.say(f"TPU VM {c.tpu_name} is READY with {n} worker(s)")
+        return node
+
+    def _wait_until_ready(self, timeout: float = 3 * 3600) -> dict:
+        t0 = self.clock()
+        while True:
+            node = self.describe()
+            state = node.get("state") if node else None
+            if state == "READY":
+                return node
+            if state in ("PREEMPTED", "TERMINATED") or (node is None and not self.config.spot):
+                raise RemoteError(f"TPU VM {self.config.tpu_name} became {state or 'absent'} while waiting "
+                                  "for it to be READY.")
+            if self.clock() - t0 > timeout:
+                raise RemoteTimeout(f"TPU VM {self.config.tpu_name} was not READY after {timeout / 60:.0f} min.")
+            self.sleep(min(30.0, self.config.poll_s))
+
+    def _delete(self) -> None:
+        c = self.config
+        try:
+            if c.spot:
+                self.ex.run(g.qr_delete(c.project, c.zone, c.queued_resource), timeout=3600)
+            else:
+                self.ex.run(g.tpu_delete(*self._where()), timeout=3600)
+        except g.GcloudError as e:
+            if not g.is_not_found(e):
+                raise
+
+    def teardown(self) -> None:
+        """Delete the VM (and its queued resource), and forget it."""
+        c = self.config
+        self.say(f"deleting TPU VM {c.tpu_name} in {c.zone}" + (f" and queued resource {c.queued_resource}"
+                                                              if c.spot else ""))
+        self._delete()
+        state = load_state()
+        if state.get("vms", {}).get(c.project, {}).get("tpu_name") == c.tpu_name:
+            del state["vms"][c.project]
+            save_state(state)
+
+    def setup(self, local_repo_path: str = ".") -> None:
+        """Upload the repo (git ls-files) to every worker and install it, unless that exact tree is there."""
+        node = self._ready_node()
+        n = len(node["networkEndpoints"])
+        root = os.path.abspath(local_repo_path)
+        if not os.path.isdir(root):
+            raise UserError(f"--upload path {local_repo_path} is not a folder.")
+        with tempfile.TemporaryDirectory() as tmp:
+            tarball = os.path.join(tmp, g.REMOTE_TARBALL)
+            install = self.config.install_for(node)
+            digest = make_tarball(root, tarball, extra=install)
+            have = self._ssh(g.setup_marker_command(), check=False, timeout=300).stdout.split()
+            if have.count(digest) >= n:
+                self.say(f"setup is up to date on all {n} worker(s) ({digest})")
+                return
+            self.say(f"uploading {len(repo_files(root))} files to {n} worker(s)")
+            self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
+        self._ssh(g.unpack_command(), timeout=600)
+        self.say(f"installing on {n} worker(s): {install}")
+        self._ssh(g.install_command(digest, install), timeout=3600)
+        self._record(setup_hash=digest)
+
+    # --- run / stop / status ----------------------------------------------------------------------
+
+    def _write_env(self, node: dict, env: Mapping[str, str] | None, secrets: Mapping[str, str] | None) -> None:
+        """Copy the env file (0600) to every worker: the only way env and secrets reach them."""
+        eps = node["networkEndpoints"]
+        env = dict(env or {})
+        if is_local(self.config, node):  # a rehearsal runs JAX on CPU with the slice's devices per worker
+            env.setdefault("JAX_PLATFORMS", "cpu")
+            env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count="
+                           f"{topology_for(self.config.accelerator_type).chips_per_worker}")
+        if len(eps) > 1:
+            data = g.worker_env(eps[0]["ipAddress"], len(eps), env, secrets, self.config.coordinator_port)
+        else:
+            data = {"env": {**env, **(secrets or {})}, "secret_keys": sorted(secrets or {})}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.env")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            self.ex.run(g.tpu_scp_to(*self._where(), path, g.REMOTE_ENV_FILE, "all"), timeout=600)
+
+    def run(self, what: str, *, env: Mapping[str, str] | None = None, secrets: Mapping[str, str] | None = None,
+            timeout: float | None = None, on_output=None, run_dir: str | None = None,
+            replace: bool = False) -> RunResult:
+        """Start `what` detached on every worker with the same env; return once it is running."""
+        self._secrets.update(secrets or {})
+        node = self._ready_node()
+        if not replace:
+            alive = [w for w in self._worker_status(len(node["networkEndpoints"])) if w and w.get("alive")]
+            if alive:
+                raise UserError(f"a run is already going on TPU VM {self.config.tpu_name} ({alive[0]['command']!r}); "
+                                "stop it with --stop, or follow it with --logs.")
+        run_dir = run_dir or run_dir_of(what)
+        marker = f"{run_dir.rstrip('/')}/COMPLETE" if run_dir else None
+        n = len(node["networkEndpoints"])
+        if n > 1 and run_dir and not (run_dir.startswith("gs://") or os.path.isabs(run_dir)):
+            self.say(f"warning: {n} workers write checkpoints to {run_dir!r} on their own disks; use a gs:// "
+                     "--run-dir so they share one checkpoint that survives a recreated VM")
+        self._write_env(node, env, secrets)
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        res = self._ssh(g.start_command(run_id, what, marker), check=False, timeout=600)
+        if "can't open file" in res.stderr + res.stdout:
+            raise UserError(f"flaxchat is not set up on TPU VM {self.config.tpu_name}; run --setup --upload=. first.")
+        if res.returncode != 0:
+            raise RemoteError(f"starting the command failed on TPU VM {self.config.tpu_name}: "
+                              f"{g.one_line(res.stderr + res.stdout)}")
+        self._record(run={"run_id": run_id, "command": what, "run_dir": run_dir, "marker": marker,
+                          "env": dict(env or {}), "secret_names": sorted(secrets or {}), "started": time.time()})
+        self.say(f"started on {n} worker(s) (run {run_id}): {what}")
+        self._check_startup(n)
+        return RunResult(state="running", ok=True, stdout=res.stdout)
+
+    def _check_startup(self, n: int) -> None:
+        """A command that dies within seconds (a typo, a bad flag) is an error now, not a silent failure."""
+        if self.config.startup_check_s <= 0:
+            return
+        self.sleep(self.config.startup_check_s)
+        for w in self._worker_status(n):
+            if w and w["state"] in ("exited", "killed") and w.get("exit_code") != 0:
+                raise RemoteError(f"the command exited at once on worker {w['worker']} with code "
+                                  f"{w.get('exit_code')}: {w.get('last_line') or '(no output)'}")
+
+    def _worker_status(self, n: int) -> list[dict | None]:
+        marker = (self.remembered().get("run") or {}).get("marker")
+        res = self._ssh(g.status_command(marker), check=False, timeout=300)
+        found = parse_worker_lines(res.stdout)
+        return [found.get(i) for i in range(n)]
+
+    def stop(self) -> None:
+        self._ready_node()
+        self._ssh(g.stop_command(), check=False, timeout=300)
+        self.say(f"stopped the run on TPU VM {self.config.tpu_name}")
+
+    def health(self) -> dict:
+        """VM state and, per worker: process, exit code, step/loss/tok/s, heartbeat age, disk, last line."""
+        c = self.config
+        node = self.describe()
+        state = node.get("state", "UNKNOWN") if node else "NOT_FOUND"
+        workers = []
+        if state == "READY":
+            for i, w in enumerate(self._worker_status(len(node["networkEndpoints"]))):
+                workers.append({**w, "reachable": True} if w else {"worker": i, "reachable": False})
+        deadline = rec.Policy().heartbeat_deadline_s
+        return {"vm": c.tpu_name, "zone": c.zone, "accelerator": c.accelerator_type, "state": state,
+                "workers": workers, "problems": health_problems(state, workers, deadline)}
+
+    def status(self) -> RunStatus:
+        h = self.health()
+        workers = h["workers"]
+        if h["state"] != "READY":
+            return RunStatus("failed" if h["state"] in ("PREEMPTED", "TERMINATED") else "unknown",
+                             f"the VM is {h['state']}", h)
+        if any(w.get("alive") for w in workers):
+            return RunStatus("running", "; ".join(h["problems"]), h)
+        return RunStatus(self._final(workers)[0], "; ".join(h["problems"]), h)
+
+    def _final(self, workers: list[dict]) -> tuple[str, str]:
+        if not workers or all(w.get("state") == "none" for w in workers):
+            return "idle", "nothing has run yet"
+        bad = [w for w in workers if not w.get("reachable", True) or w.get("state") == "killed"
+               or (w.get("state") == "exited" and w.get("exit_code") != 0)]
+        if bad:
+            return "failed", health_problems("READY", bad, float("inf"))[0]
+        if (self.remembered().get("run") or {}).get("marker") and not workers[0].get("complete"):
+            return "failed", "every worker exited 0 but the training's completion marker is missing"
+        return "done", "finished"
+
+    def wait(self, timeout: float | None = None, on_output=None) -> RunResult:
+        """Block until the run ends on every worker: done needs exit 0 everywhere (and the marker)."""
+        t0 = self.clock()
+        last_line = None
+        while True:
+            h = self.health()
+            if h["state"] != "READY":
+                return RunResult(state="failed", ok=False, error_name="VMState", elapsed=self.clock() - t0,
+                                 error_value=f"TPU VM {self.config.tpu_name} is {h['state']}; use --recover")
+            ws = h["workers"]
+            line = ws[0].get("last_line") if ws else None
+            if on_output and line and line != last_line:
+                on_output("stdout", line + "\n")
+            last_line = line
+            state, why = self._final(ws)
+            failed_early = state == "failed" and any(w.get("state") in ("exited", "killed") for w in ws)
+            if not any(w.get("alive") for w in ws) or failed_early:
+                codes = {w["worker"]: w.get("exit_code") for w in ws if w.get("exit_code") is not None}
+                ok = state == "done"
+                return RunResult(state="done" if ok else "failed", ok=ok, stdout=line or "", exit_codes=codes,
+                                 error_name=None if ok else "RunFailed", error_value=None if ok else why,
+                                 elapsed=self.clock() - t0)
+            if timeout is not None and self.clock() - t0 > timeout:
+                raise RemoteTimeout(f"the run on TPU VM {self.config.tpu_name} did not finish within {timeout:.0f} s.")
+            self.sleep(self.config.poll_s)
+
+    def logs(self, follow: bool = False, all_workers: bool = False, lines: int = 50,
+             on_line: Callable[[str], None] | None = None) -> int:
+        """Print worker 0's log (every worker's, prefixed, with all_workers); Ctrl-C only detaches."""
+        self._ready_node()
+        cmd = g.logs_command(follow=follow, lines=lines, prefix=all_workers)
+        return self.ex.stream(g.tpu_ssh(*self._where(), cmd, "all" if all_workers else 0), on_line or print)
+
+    def check_devices(self) -> dict[str, Any]:
+        """JAX's view from every worker after joining the job: {'backend', 'device_count', 'process_count'}."""
+        node = self._ready_node()
+        n = len(node["networkEndpoints"])
+        if any(w and w.get("alive") for w in self._worker_status(n)):
+            raise UserError("a run is going; checking devices now would compete with it for the TPU.")
+        self._write_env(node, (self.remembered().get("run") or {}).get("env"), None)
+        res = self._ssh(g.probe_command(), check=False, timeout=600)
+        found = parse_worker_lines(res.stdout)
+        if 0 not in found:
+            raise RemoteError(f"worker 0 did not report its devices: {g.one_line(res.stderr + res.stdout)}")
+        check_process_count(n, found[0]["process_count"], self.config.accelerator_type)
+        return {k: found[0][k] for k in ("backend", "device_count", "process_count")}
+
+    # --- checkpoints and recovery -----------------------------------------------------------------
+
+    def download_checkpoint(self, local_dir: str, run_dir: str | None = None, step: int | None = None) -> str:
+        """Copy the latest complete Orbax step (never a half-written one) into local_dir/<step>."""
+        run_dir = run_dir or (self.remembered().get("run") or {}).get("run_dir")
+        if not run_dir:
+            raise UserError("no run folder is known; pass run_dir= (the --run-dir of the training).")
+        ckpt = run_dir.rstrip("/") + "/checkpoints"
+        self._ready_node()
+        found = parse_worker_lines(self._ssh(g.checkpoints_command(ckpt), worker=0, timeout=300).stdout).get(0, {})
+        complete = found.get("complete", [])
+        if not complete or (step is not None and step not in complete):
+            raise UserError(f"no complete checkpoint{f' at step {step}' if step is not None else ''} in {ckpt} "
+                            f"(complete steps: {complete or 'none'}).")
+        step = step if step is not None else max(complete)
+        os.makedirs(local_dir, exist_ok=True)
+        if ckpt.startswith("gs://"):
+            self.ex.run(g.storage_cp(f"{ckpt}/{step}", local_dir), timeout=7200)
+        else:
+            remote = ckpt if os.path.isabs(ckpt) else f"{g.REMOTE_REPO}/{ckpt}"
+            self.ex.run(g.tpu_scp_from(*self._where(), f"{remote}/{step}", local_dir, 0, recurse=True), timeout=7200)
+        self.say(f"downloaded step {step} to {os.path.join(local_dir, str(step))}")
+        return os.path.join(local_dir, str(step))
+
+    def observe(self, run_id: str | None, expects_marker: bool) -> rec.Observation:
+        h = self.health()
+        state = None if h["state"] == "NOT_FOUND" else h["state"]
+        workers = [rec.WorkerObs(reachable=w.get("reachable", True), state=w.get("state", "none"),
+                                 exit_code=w.get("exit_code"), heartbeat_age=w.get("heartbeat_age"),
+                                 step=w.get("step"), run_id=w.get("run_id")) for w in h["workers"]]
+        complete = bool(h["workers"] and h["workers"][0].get("complete"))
+        return rec.Observation(state, workers, complete, run_id, expects_marker)
+
+    def recover(self, command: str, *, env: Mapping[str, str] | None = None,
+                secrets: Mapping[str, str] | None = None, local_repo_path: str = ".",
+                policy: rec.Policy | None = None, clock=None, sleep=None, timeout: float | None = None) -> RunResult:
+        """Keep `command` running to completion through crashes, hangs and preemptions (see recovery.py)."""
+        policy = policy or rec.Policy()
+        prev = self.remembered().get("run") or {}
+        # Attach to the same command if it is already going; "" = none of the workers runs it yet.
+        current = {"run_id": prev.get("run_id") if prev.get("command") == command else ""}
+        if not current["run_id"] and any(w.get("alive") for w in self.health()["workers"]):
+            raise UserError(f"TPU VM {self.config.tpu_name} is running another command; stop it with --stop "
+                            "first, or recover that command.")
+        secrets = dict(secrets) if secrets is not None else {
+            k: os.environ[k] for k in prev.get("secret_names", []) if k in os.environ}
+        run_dir = run_dir_of(command)
+
+        def start():
+            self.run(command, env=env, secrets=secrets, replace=True)
+            current["run_id"] = self.remembered()["run"]["run_id"]
+
+        def restart():
+            self.stop()
+            start()
+
+        def recreate():
+            self._delete()
+            self.create()
+            self.setup(local_repo_path)
+            start()
+
+        actions = type("RecoveryActions", (), {"start": staticmethod(start), "restart": staticmethod(restart),
+                                               "recreate": staticmethod(recreate)})()
+        decision = rec.recover_loop(lambda: self.observe(current["run_id"], run_dir is not None), actions, policy,
+                                    clock=clock or self.clock, sleep=sleep or self.sleep, log=self.say,
+                                    timeout=timeout)
+        ok = decision.action is rec.Action.DONE
+        return RunResult(state="done" if ok else "failed", ok=ok, error_name=None if ok else "GaveUp",
+                         error_value=None if ok else decision.reason)
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flaxchat.cloud.launcher", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    vm = ap.add_argument_group("which TPU VM (later calls may give only --project: the VM is remembered)")
+    vm.add_argument("--project", help="Google Cloud project")
+    vm.add_argument("--zone", help=f"zone (default {TPUConfig.zone})")
+    vm.add_argument("--tpu-name", help=f"VM name (default {TPUConfig.tpu_name})")
+    vm.add_argument("--accelerator", "--accelerator-type", dest="accelerator",
+                    help=f"e.g. v4-8, v5litepod-16, v5p-32, v6e-64 (default {TPUConfig.accelerator_type})")
+    vm.add_argument("--runtime-version", help="TPU VM image (default: Google's for the generation)")
+    vm.add_argument("--preemptible", action="store_true", default=None, help="a preemptible VM (cheaper)")
+    vm.add_argument("--spot", action="store_true", default=None, help="spot capacity via a queued resource")
+    vm.add_argument("--backend", choices=["gcloud", "local"], help="local: rehearse with the emulator here")
+    vm.add_argument("--emulator-dir", help="state folder of the local emulator (default ~/.flaxchat/emulator)")
+    vm.add_argument("--coordinator-port", type=int, help=f"JAX coordinator port (default {g.COORDINATOR_PORT})")
+    act = ap.add_argument_group("actions (several may be given; they run in this order)")
+    act.add_argument("--create", action="store_true", help="create the VM (reuses a READY one)")
+    act.add_argument("--setup", action="store_true", help="upload the repo and install it on every worker")
+    act.add_argument("--upload", metavar="PATH", help="the repo to upload with --setup (default .)")
+    act.add_argument("--check-devices", action="store_true", help="print what JAX sees across the workers")
+    act.add_argument("--run", metavar="CMD", help="start CMD detached on every worker")
+    act.add_argument("--logs", action="store_true", help="stream worker 0's log (Ctrl-C detaches)")
+    act.add_argument("--health", action="store_true", help="VM state and every worker's process, step, loss")
+    act.add_argument("--wait", action="store_true", help="block until the run is done or failed")
+    act.add_argument("--download-checkpoint", metavar="DIR", help="copy the latest complete checkpoint here")
+    act.add_argument("--recover", metavar="CMD", help="run CMD to completion through crashes and preemptions")
+    act.add_argument("--stop", action="store_true", help="stop the run on every worker")
+    act.add_argument("--teardown", action="store_true", help="delete the VM (and its queued resource)")
+    opt = ap.add_argument_group("options")
+    opt.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for the run")
+    opt.add_argument("--secret", action="append", default=[], metavar="NAME",
+                     help="pass $NAME from this environment to the run, never on a command line or in a log")
+    opt.add_argument("--run-dir", help="the run's folder, if CMD does not say --run-dir (for --download-checkpoint)")
+    opt.add_argument("--all-workers", action="store_true", help="--logs: every worker, lines prefixed [wN]")
+    opt.add_argument("--no-follow", action="store_true", help="--logs: print the last lines and return")
+    opt.add_argument("--lines", type=int, default=50, help="--logs: lines of history (default 50)")
+    opt.add_argument("--poll-interval", type=float, default=60.0, help="--recover poll interval, s (default 60)")
+    opt.add_argument("--heartbeat-deadline", type=float, default=rec.Policy.heartbeat_deadline_s,
+                     help="--recover: a worker silent this long is hung (s)")
+    opt.add_argument("--max-restarts", type=int, default=rec.Policy.max_restarts)
+    opt.add_argument("--timeout", type=float, help="--wait/--recover: give up after this many seconds")
+    opt.add_argument("--dry-run", action="store_true", help="print the gcloud commands instead of running them")
+    return ap
+
+
+def resolve_config(args) -> tuple[TPUConfig, str]:
+    """The config from the flags, filled in from the remembered VM; and a line saying where it came from."""
+    state = load_state()
+    project = args.project or state.get("last")
+    if not project:
+        raise UserError("no --project given and no TPU VM remembered; pass --project=YOUR_GCP_PROJECT.")
+    saved = state.get("vms", {}).get(project) or {}
+    if args.tpu_name and saved.get("tpu_name") != args.tpu_name:
+        saved = {}
+    names = {f.name for f in dataclasses.fields(TPUConfig)}
+    config = TPUConfig(**{k: v for k, v in saved.items() if k in names})
+    config.project = project
+    for flag, field in [("zone", "zone"), ("tpu_name", "tpu_name"), ("accelerator", "accelerator_type"),
+                        ("runtime_version", "runtime_version"), ("preemptible", "preemptible"), ("spot", "spot"),
+                        ("backend", "backend"), ("emulator_dir", "emulator_dir"),
+                        ("coordinator_port", "coordinator_port")]:
+        if getattr(args, flag) is not None:
+            setattr(config, field, getattr(args, flag))
+    named = bool(args.tpu_name and args.zone)
+    if not saved and not args.create and not named:
+        raise UserError(f"no TPU VM is remembered for project {project}; create one first with --create "
+                        "(or name an existing one with --tpu-name and --zone).")
+    if config.backend == "local" and config.emulator_dir:
+        config.emulator_dir = os.path.abspath(os.path.expanduser(config.emulator_dir))
+    source = f"remembered in {state_path()}" if saved else "from the command line"
+    where = "local emulator" if config.backend == "local" else f"project {project}"
+    return config, (f"TPU VM {config.tpu_name!r} ({config.accelerator_type}, zone {config.zone}, {where}; "
+                    f"{source})")
+
+
+def _dry_run_executor(config: TPUConfig, exists: bool) -> g.DryRunExecutor:
+    n = topology_for(config.accelerator_type).workers
+    seen = {"exists": exists}
+
+    def answer(argv):
+        verb = argv[4] if len(argv) > 4 else ""
+        if verb == "create":
+            seen["exists"] = True
+        if verb == "describe":
+            if not seen["exists"]:
+                raise g.GcloudError("NOT_FOUND (dry run: assuming the VM does not exist yet)")
+            return json.dumps({"state": "READY", "acceleratorType": config.accelerator_type,
+                               "networkEndpoints": [{"ipAddress": f"10.128.0.{i + 2}"} for i in range(n)]})
+        if verb == "ssh" and "status" in argv[-1]:
+            return "\n".join("FLAXCHAT " + json.dumps({"worker": i, "state": "none", "alive": False}) for i in range(n))
+        return ""
+    return g.DryRunExecutor(answer)
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UserError(f"--env {item!r} is not KEY=VALUE.")
+        env[key] = value
+    return env
+
+
+def _secrets(names: list[str]) -> dict[str, str]:
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise UserError(f"--secret {missing[0]} is not set in this environment; export it first "
+                        "(its value is read from here so it never appears on a command line).")
+    return {n: os.environ[n] for n in names}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    actions = [a for a in ("create", "setup", "upload", "check_devices", "run", "logs", "health", "wait",
+                           "download_checkpoint", "recover", "stop", "teardown") if getattr(args, a)]
+    if not actions:
+        raise UserError("nothing to do; give an action such as --create, --run CMD, --logs, --health or --teardown "
+                        "(see --help).")
+    if args.dry_run and (args.wait or args.recover or (args.logs and not args.no_follow)):
+        raise UserError("--wait, --recover and a following --logs poll the VM, so they cannot be dry-run.")
+    config, where = resolve_config(args)
+    config.validate()
+    env, secrets = _parse_env(args.env), _secrets(args.secret)
+    executor = None
+    if args.dry_run:
+        executor = _dry_run_executor(config, exists=not args.create)
+        config.startup_check_s = 0
+    launcher = TPULauncher(config, executor=executor, sleep=(lambda s: None) if args.dry_run else time.sleep)
+    launcher.say(f"flaxchat: acting on {where}")
+    code = 0
+    if args.create:
+        launcher.create()
+    if args.setup or args.upload:
+        launcher.setup(args.upload or ".")
+    if args.check_devices:
+        print(json.dumps(launcher.check_devices()))
+    if args.run:
+        launcher.run(args.run, env=env, secrets=secrets, run_dir=args.run_dir)
+    if args.logs:
+        try:
+            launcher.logs(follow=not args.no_follow, all_workers=args.all_workers, lines=args.lines)
+        except KeyboardInterrupt:
+            launcher.say("detached from the log; the training goes on (--logs to follow again)")
+    if args.health:
+        report = launcher.health()
+        print(format_health(report), flush=True)
+        code = code or (1 if report["problems"] else 0)
+    if args.wait:
+        result = launcher.wait(timeout=args.timeout)
+        launcher.say(f"run {result.state}" + (f": {result.error_value}" if result.error_value else ""))
+        code = code or (0 if result.ok else 1)
+    if args.download_checkpoint:
+        launcher.download_checkpoint(args.download_checkpoint, run_dir=args.run_dir)
+    if args.recover:
+        policy = rec.Policy(poll_s=args.poll_interval, heartbeat_deadline_s=args.heartbeat_deadline,
+                            max_restarts=args.max_restarts)
+        result = launcher.recover(args.recover, env=env or None, secrets=secrets or None,
+                                  local_repo_path=args.upload or ".", policy=policy, timeout=args.timeout)
+        launcher.say(f"recovery {result.state}" + (f": {result.error_value}" if result.error_value else ""))
+        code = code or (0 if result.ok else 1)
+    if args.stop:
+        launcher.stop()
+    if args.teardown:
+        launcher.teardown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

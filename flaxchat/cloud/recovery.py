@@ -1,0 +1,211 @@
+"""Preemption recovery: a pure decision from what the pod looks like, and the loop that acts on it.
+
+`decide(observation, counters, policy)` maps (VM state, per-worker process state, completion marker,
+retry counts) to one action and a reason. Nothing in it reads a clock or a network, so a test can
+walk every branch; `recover_loop` polls, decides, logs each transition and acts, with the clock and
+`sleep` injected (a test runs hours of polling in microseconds).
+
+    READY, all workers alive ............... WATCH
+    completion marker present .............. DONE
+    no worker runs this command yet ........ START
+    a worker crashed / exited 0 unfinished . RESTART, exponential backoff, bounded
+    a worker alive but silent too long ..... RESTART (hung)
+    a worker does not answer, N polls ...... RECREATE (GCP does not always report PREEMPTED)
+    PREEMPTED / TERMINATED / missing ....... RECREATE (delete, create, setup, run: resumes from
+                                             the last Orbax checkpoint), bounded
+    CREATING / REPAIRING / RESTARTING ... .. WAIT
+    STOPPED (someone stopped it) ........... GIVE_UP: never delete what the user stopped
+
+The retry budgets count interventions *without progress*: once the training step moves past where
+it was at the last restart, the counts start again, so a month-long spot run survives many
+preemptions while a command that crashes at once gives up after `max_restarts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Callable, Protocol, Sequence
+
+from flaxchat.remote.base import RemoteError
+
+GONE_STATES = frozenset({"PREEMPTED", "TERMINATED"})
+WAIT_STATES = frozenset({"CREATING", "REPAIRING", "RESTARTING", "STARTING", "STOPPING", "DELETING", "UNKNOWN",
+                         "STATE_UNSPECIFIED"})
+
+
+class Action(str, enum.Enum):
+    WATCH = "watch"
+    DONE = "done"
+    START = "start"
+    RESTART = "restart"
+    RECREATE = "recreate"
+    WAIT = "wait"
+    GIVE_UP = "give-up"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerObs:
+    """One worker as `worker.py status` reported it (or did not: reachable=False)."""
+
+    reachable: bool = True
+    state: str = "running"  # none | starting | running | exited | killed
+    exit_code: int | None = None
+    heartbeat_age: float | None = None
+    step: int | None = None
+    run_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    vm_state: str | None  # None: the VM does not exist
+    workers: Sequence[WorkerObs] = ()
+    complete: bool = False  # the training's own completion marker exists
+    run_id: str | None = None  # the run we are recovering; workers on another run have not started it
+    expects_marker: bool = True  # False for a command without a completion marker: all exit 0 = done
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    restarts: int = 0  # since the last progress
+    recreates: int = 0  # since the last progress
+    unreachable_polls: int = 0  # consecutive polls with a worker that did not answer
+    progress_step: int | None = None  # the furthest step seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    poll_s: float = 60.0
+    max_restarts: int = 5
+    max_recreates: int = 10
+    backoff_s: float = 30.0
+    max_backoff_s: float = 600.0
+    heartbeat_deadline_s: float = 1800.0  # silent this long while alive = hung (compiles can take minutes)
+    unreachable_polls: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    delay: float = 0.0  # seconds to wait before acting (restart backoff)
+
+
+def _backoff(policy: Policy, restarts: int) -> float:
+    return min(policy.max_backoff_s, policy.backoff_s * (2 ** restarts))
+
+
+def decide(obs: Observation, counters: Counters, policy: Policy) -> Decision:
+    """The next action for the pod; pure."""
+    state = obs.vm_state
+    if state is None or state in GONE_STATES:
+        why = "the VM no longer exists" if state is None else f"the VM is {state}"
+        if counters.recreates >= policy.max_recreates:
+            return Decision(Action.GIVE_UP, f"{why}, and it was recreated {counters.recreates} times without progress")
+        return Decision(Action.RECREATE, f"{why}: delete, recreate, set up and run again from the last checkpoint")
+    if state in WAIT_STATES:
+        return Decision(Action.WAIT, f"the VM is {state}")
+    if state != "READY":
+        return Decision(Action.GIVE_UP, f"the VM is {state}; start it (or --teardown) yourself, recovery "
+                                        "never deletes a VM that was stopped on purpose")
+    if obs.complete:
+        return Decision(Action.DONE, "the completion marker is there: training finished")
+    return _decide_ready(obs, counters, policy)
+
+
+def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decision:
+    silent = [i for i, w in enumerate(obs.workers) if not w.reachable]
+    if silent:
+        if counters.unreachable_polls + 1 >= policy.unreachable_polls:
+            if counters.recreates >= policy.max_recreates:
+                return Decision(Action.GIVE_UP, f"worker(s) {silent} stopped answering and recreating did not help")
+            return Decision(Action.RECREATE, f"worker(s) {silent} did not answer for {counters.unreachable_polls + 1} "
+                                             "polls though the VM says READY")
+        return Decision(Action.WAIT, f"worker(s) {silent} did not answer (poll {counters.unreachable_polls + 1} of "
+                                     f"{policy.unreachable_polls})")
+    def foreign(w):  # not running our command at all (never started it, or an older run)
+        return w.state == "none" or (obs.run_id is not None and w.run_id != obs.run_id)
+    if all(foreign(w) for w in obs.workers):
+        return Decision(Action.START, "the command is not running on the workers yet")
+    crashed = [(i, w) for i, w in enumerate(obs.workers)
+               if foreign(w) or w.state == "killed" or (w.state == "exited" and w.exit_code != 0)]
+    finished = all(w.state == "exited" and w.exit_code == 0 for w in obs.workers)
+    hung = [i for i, w in enumerate(obs.workers) if w.state in ("running", "starting")
+            and w.heartbeat_age is not None and w.heartbeat_age > policy.heartbeat_deadline_s]
+    if crashed:
+        what = ", ".join(f"worker {i} " + ("never started" if foreign(w) else "was killed" if w.state == "killed"
+                                           else f"exited {w.exit_code}") for i, w in crashed)
+        return _restart(what, counters, policy)
+    if finished:
+        if not obs.expects_marker:
+            return Decision(Action.DONE, "every worker exited 0")
+        return _restart("every worker exited 0 but the completion marker is missing", counters, policy)
+    if hung:
+        return _restart(f"worker(s) {hung} alive but silent for over {policy.heartbeat_deadline_s:.0f} s (hung)",
+                        counters, policy)
+    return Decision(Action.WATCH, "the VM is READY and the workers are running")
+
+
+def _restart(what: str, counters: Counters, policy: Policy) -> Decision:
+    if counters.restarts >= policy.max_restarts:
+        return Decision(Action.GIVE_UP, f"{what}; restarted {counters.restarts} times without progress")
+    delay = _backoff(policy, counters.restarts)
+    return Decision(Action.RESTART, f"{what}: restart {counters.restarts + 1} of {policy.max_restarts} "
+                                    f"in {delay:.0f} s", delay)
+
+
+def next_counters(counters: Counters, obs: Observation, decision: Decision) -> Counters:
+    """Counters after acting on `decision`; pure. Progress past the last mark resets the budgets."""
+    steps = [w.step for w in obs.workers if w.step is not None]
+    best = max(steps) if steps else None
+    c = counters
+    if best is not None and (c.progress_step is None or best > c.progress_step):
+        c = dataclasses.replace(c, restarts=0, recreates=0, progress_step=best)
+    unreachable = any(not w.reachable for w in obs.workers) and obs.vm_state == "READY"
+    c = dataclasses.replace(c, unreachable_polls=c.unreachable_polls + 1 if unreachable else 0)
+    if decision.action is Action.RESTART:
+        c = dataclasses.replace(c, restarts=c.restarts + 1)
+    elif decision.action is Action.RECREATE:
+        c = dataclasses.replace(c, recreates=c.recreates + 1, unreachable_polls=0)
+    return c
+
+
+class Actions(Protocol):
+    def start(self) -> None: ...
+    def restart(self) -> None: ...
+    def recreate(self) -> None: ...
+
+
+def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: Policy = Policy(), *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 log: Callable[[str], None] = print, timeout: float | None = None) -> Decision:
+    """Poll, decide, act until DONE or GIVE_UP (returned). Each change of action is logged with its reason.
+
+    A failed action (say, no spot capacity for the recreate) is logged and retried on the next poll;
+    its attempt still counts against the budget.
+    """
+    t0 = clock()
+    counters, last = Counters(), None
+    while True:
+        obs = observe()
+        decision = decide(obs, counters, policy)
+        if timeout is not None and clock() - t0 > timeout and decision.action not in (Action.DONE, Action.GIVE_UP):
+            decision = Decision(Action.GIVE_UP, f"recovery timed out after {timeout:.0f} s")
+        if last is None or (decision.action, decision.reason) != (last.action, last.reason):
+            log(f"[recover +{clock() - t0:.0f}s] {decision.action.value}: {decision.reason}")
+        last = decision
+        counters = next_counters(counters, obs, decision)
+        if decision.action in (Action.DONE, Action.GIVE_UP):
+            return decision
+        try:
+            if decision.action is Action.RESTART:
+                sleep(decision.delay)
+                actions.restart()
+            elif decision.action is Action.RECREATE:
+                actions.recreate()
+            elif decision.action is Action.START:
+                actions.start()
+        except RemoteError as e:
+            log(f"[recover +{clock() - t0:.0f}s] {decision.action.value} failed: {e}")
+        sleep(policy.poll_s)
