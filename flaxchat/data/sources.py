@@ -14,10 +14,10 @@ Documents in files:
   .jsonl    one document per non-empty line, the string in field `text` (configurable).
   .parquet  one document per row, column `text` (configurable), read one row group at a time.
 
-Splits: if some of the files have a split word in their name (`train`; `validation`/`valid`/`val`/
-`dev`; `test`, used for validation only when nothing else is), each split reads only its files.
+Splits: if the file names mark both a train split (`train`) and a validation split (`validation`,
+`valid`, `val` or `dev`; else `test`), each split reads only its files (unmarked files are unused).
 Otherwise the last 1% of documents (at least 1, at most 10,000) is the validation split and the
-rest is train, so both splits are fixed by the file list alone.
+rest is train. Either way both splits are fixed by the file list alone, so they never overlap.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ class _File:
             if self._cached_group is None or self._cached_group[0] != g:
                 table = self._parquet.read_row_group(g, columns=[self.field])
                 self._cached_group = (g, table.column(0).to_pylist())
-            return self._cached_group[1][i - self._index[g]] or ""
+            value = self._cached_group[1][i - self._index[g]]
+            return value if isinstance(value, str) else "" if value is None else str(value)
         with open(self.path, "rb") as f:
             if self.kind == ".txt":
                 start, end = self._index[i]
@@ -215,7 +216,7 @@ def split_files(paths: list[str], split: str) -> list[str] | None:
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
     rel = {p: os.path.relpath(p, root).lower() for p in paths}
     tagged = {name: [p for p in paths if rx.search(rel[p])] for name, rx in _SPLIT_WORDS.items()}
-    if not tagged["train"] and not tagged["val"]:
+    if not tagged["train"] or not (tagged["val"] or tagged["test"]):
         return None
     if split == "train":
         return tagged["train"]
@@ -238,8 +239,6 @@ def files_source(paths: list[str], split: str, field: str, spec: str, descriptio
     """A source over `paths` (what `spec` names) for `split`, by the rules in the module docstring."""
     chosen = split_files(paths, split)
     if chosen is not None:
-        if not chosen:
-            raise UserError(f"the corpus at {spec} has files for some splits but none for '{split}'")
         corpus = FileCorpus(chosen, field, f"{len(chosen)} {split} files of {description}")
         if len(corpus) == 0:
             raise UserError(f"the corpus at {spec} is empty (its {split} files hold no documents)")
@@ -307,10 +306,12 @@ def parse_hub_spec(spec: str) -> dict:
             "field": options.get("field", "text"), "revision": options.get("revision")}
 
 
-def select_hub_files(files: list[str], split: str, pattern: str | None, max_files: int | None) -> list[str]:
-    """Data files to download for `split`: those matching `pattern` (default: all of the most
-    preferred kind, parquet > jsonl > txt), restricted to the split's files when names carry split
-    words (otherwise everything: documents are held out later), then the first `max_files`."""
+def select_hub_files(files: list[str], split: str, pattern: str | None,
+                     max_files: int | None) -> tuple[list[str], bool]:
+    """Data files to download for `split`, and whether the file names decided the split.
+    Files matching `pattern` (default: all of the most preferred kind, parquet > jsonl > txt),
+    restricted to the split's files when names mark the splits (otherwise all of them: documents
+    are held out after download), then the first `max_files`."""
     import fnmatch
 
     if pattern:
@@ -323,8 +324,9 @@ def select_hub_files(files: list[str], split: str, pattern: str | None, max_file
                 break
     candidates = sorted(candidates)
     chosen = split_files(candidates, split)
-    chosen = candidates if chosen is None else chosen
-    return chosen[:max_files] if max_files else chosen
+    by_name = chosen is not None
+    chosen = chosen if by_name else candidates
+    return (chosen[:max_files] if max_files else chosen), by_name
 
 
 def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
@@ -339,8 +341,9 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def hub_files(spec: str, split: str) -> tuple[list[str], dict]:
-    """Download (or find in the local hub cache) the files of a hub dataset; return local paths."""
+def hub_files(spec: str, split: str) -> tuple[list[str], bool, dict]:
+    """Download (or find in the local hub cache) the files of a hub dataset for `split`; return
+    their local paths, whether the file names decided the split, and the parsed spec."""
     opts = parse_hub_spec(spec)
     try:
         import huggingface_hub
@@ -351,21 +354,21 @@ def hub_files(spec: str, split: str) -> tuple[list[str], dict]:
     repo, revision = opts["repo"], opts["revision"]
     offline = bool(getattr(constants, "HF_HUB_OFFLINE", False))
     if offline or not _hub_reachable(constants.ENDPOINT):
-        return _cached_hub_files(spec, opts, split, offline), opts
+        return *_cached_hub_files(opts, split, offline), opts
     try:
         listing = huggingface_hub.list_repo_files(repo, repo_type="dataset", revision=revision)
-        names = select_hub_files(listing, split, opts["pattern"], opts["max_files"])
+        names, by_name = select_hub_files(listing, split, opts["pattern"], opts["max_files"])
         if not names and not opts["pattern"] and revision is None:
             # The hub keeps an automatic parquet conversion of most datasets on this branch.
             revision = "refs/convert/parquet"
             listing = huggingface_hub.list_repo_files(repo, repo_type="dataset", revision=revision)
-            names = select_hub_files(listing, split, None, opts["max_files"])
+            names, by_name = select_hub_files(listing, split, None, opts["max_files"])
         if not names:
             raise UserError(f"the hub dataset '{repo}' has no .parquet/.jsonl/.txt files for split '{split}'"
                             + (f" matching '{opts['pattern']}'" if opts["pattern"] else ""))
         print(f"downloading {len(names)} file(s) of hf:{repo} (cached after the first time)...")
-        return [huggingface_hub.hf_hub_download(repo, n, repo_type="dataset", revision=revision)
-                for n in names], opts
+        paths = [huggingface_hub.hf_hub_download(repo, n, repo_type="dataset", revision=revision) for n in names]
+        return paths, by_name, opts
     except UserError:
         raise
     except Exception as e:  # network, auth and missing-repo errors all mean the same to the user
@@ -373,7 +376,7 @@ def hub_files(spec: str, split: str) -> tuple[list[str], dict]:
                         f"check its name and the network, or use local files; {OFFLINE_HINT}") from None
 
 
-def _cached_hub_files(spec: str, opts: dict, split: str, offline: bool) -> list[str]:
+def _cached_hub_files(opts: dict, split: str, offline: bool) -> tuple[list[str], bool]:
     """Files of a dataset already in the local hub cache, for runs without a network."""
     import huggingface_hub
 
@@ -384,11 +387,11 @@ def _cached_hub_files(spec: str, opts: dict, split: str, offline: bool) -> list[
     except Exception:
         raise UserError(f"{why} and '{opts['repo']}' is not in the local hub cache; {OFFLINE_HINT}") from None
     rel = [str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file()]
-    names = select_hub_files(rel, split, opts["pattern"], opts["max_files"])
+    names, by_name = select_hub_files(rel, split, opts["pattern"], opts["max_files"])
     if not names:
         raise UserError(f"{why} and the cached copy of '{opts['repo']}' has no data files for split '{split}'; "
                         f"{OFFLINE_HINT}")
-    return [str(Path(root) / n) for n in names]
+    return [str(Path(root) / n) for n in names], by_name
 
 
 # --- entry point ------------------------------------------------------------------------------------
@@ -402,7 +405,12 @@ def resolve_source(spec: str | None, split: str = "train", seed: int = 0, field:
     if spec is None or spec == "stories":
         return StoriesCorpus(seed=seed, split=split)
     if spec.startswith("hf:"):
-        paths, opts = hub_files(spec, split)
+        paths, by_name, opts = hub_files(spec, split)
+        if by_name:  # the download holds this split's files only
+            corpus = FileCorpus(paths, opts["field"], f"{len(paths)} {split} files of hf:{opts['repo']}")
+            if len(corpus) == 0:
+                raise UserError(f"the corpus at {spec} is empty")
+            return corpus
         return files_source(paths, split, opts["field"], spec, f"hf:{opts['repo']}")
     paths = local_files(spec)
     return files_source(paths, split, field, spec, _describe(spec, paths))
