@@ -1,0 +1,258 @@
+"""gcloud command builders (checked on their output), the executor (once, against the emulator), and
+the emulator's fidelity to the gcloud TPU commands the launcher uses."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flaxchat.cloud import emulator
+from flaxchat.cloud import gcloud as g
+from flaxchat.cloud.worker import _pid_alive  # zombie-aware
+from flaxchat.errors import UserError
+
+P, Z = "proj", "us-central2-b"
+
+
+# --- builders ----------------------------------------------------------------------------------
+
+
+def test_create_describe_delete():
+    assert g.tpu_create(P, Z, "t", "v4-8", "tpu-ubuntu2204-base") == [
+        "gcloud", "compute", "tpus", "tpu-vm", "create", "t", "--project=proj", "--zone=us-central2-b",
+        "--accelerator-type=v4-8", "--version=tpu-ubuntu2204-base"]
+    assert g.tpu_create(P, Z, "t", "v4-8", "v", preemptible=True)[-1] == "--preemptible"
+    assert g.tpu_create(P, Z, "t", "v4-8", "v", preemptible=True, spot=True)[-1] == "--spot"
+    assert g.tpu_describe(P, Z, "t") == ["gcloud", "compute", "tpus", "tpu-vm", "describe", "t", "--project=proj",
+                                         "--zone=us-central2-b", "--format=json"]
+    assert g.tpu_delete(P, Z, "t")[-1] == "--quiet"
+
+
+def test_ssh_and_scp():
+    assert g.tpu_ssh(P, Z, "t", "echo hi; ls", "all")[-2:] == ["--worker=all", "--command=echo hi; ls"]
+    assert g.tpu_ssh(P, Z, "t", "x", 3)[-2] == "--worker=3"
+    up = g.tpu_scp_to(P, Z, "t", "/tmp/a.tgz", "a.tgz")
+    assert up[5:7] == ["/tmp/a.tgz", "t:a.tgz"] and up[-1] == "--worker=all"
+    down = g.tpu_scp_from(P, Z, "t", "flaxchat/runs/x/checkpoints/5", "./ckpt", 0, recurse=True)
+    assert down[5:7] == ["t:flaxchat/runs/x/checkpoints/5", "./ckpt"] and down[-2:] == ["--worker=0", "--recurse"]
+
+
+def test_queued_resources():
+    assert g.qr_create(P, Z, "t-qr", "t", "v5litepod-16", "v2-alpha-tpuv5-lite") == [
+        "gcloud", "compute", "tpus", "queued-resources", "create", "t-qr", "--project=proj", "--zone=us-central2-b",
+        "--accelerator-type=v5litepod-16", "--runtime-version=v2-alpha-tpuv5-lite", "--node-id=t", "--spot"]
+    assert g.qr_delete(P, Z, "t-qr")[-2:] == ["--force", "--quiet"]
+    assert g.qr_describe(P, Z, "t-qr")[-1] == "--format=json"
+
+
+def test_start_command_quotes_the_user_command_as_one_word():
+    cmd = """python -m scripts.pretrain --depth=24 --run-dir='gs://b/run 1' && echo "$HOME" """
+    words = shlex.split(g.start_command("r1", cmd, "gs://b/run 1/COMPLETE"))
+    assert words[words.index("--") + 1] == cmd
+    assert words[words.index("--marker") + 1] == "gs://b/run 1/COMPLETE"
+    assert "--replace" in words and g.REMOTE_ENV_FILE in words
+
+
+def test_worker_env_has_coordinator_counts_and_secret_names_only():
+    data = g.worker_env("10.0.0.2", 4, {"A": "1"}, {"TOKEN": "s3cret"}, port=1234)
+    assert data["env"]["JAX_COORDINATOR_ADDRESS"] == "10.0.0.2:1234"
+    assert data["env"]["JAX_NUM_PROCESSES"] == "4" and "JAX_PROCESS_ID" not in data["env"]  # per worker
+    assert data["env"]["A"] == "1" and data["env"]["TOKEN"] == "s3cret"
+    assert data["secret_keys"] == ["TOKEN"]
+
+
+def test_no_secret_reaches_any_command_builder():
+    built = [g.start_command("r", "python train.py"), g.status_command("m"), g.logs_command(True, 10, True),
+             g.probe_command(), g.stop_command(), g.install_command("abc", "pip install -e ."), g.unpack_command()]
+    assert not any("s3cret" in b for b in built)
+
+
+def test_one_line_keeps_gclouds_own_message():
+    err = ("Create request issued\nERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota\n"
+           "  'TPUV4sPodPerProjectPerZone' exhausted.\n")
+    assert g.one_line(err) == ("gcloud said: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota "
+                               "'TPUV4sPodPerProjectPerZone' exhausted.")
+    assert len(g.one_line("x" * 1000)) == 400
+
+
+def test_dry_run_executor_prints_and_runs_nothing(capsys):
+    ex = g.DryRunExecutor(answer=lambda argv: "ANSWER")
+    assert ex.run(g.tpu_delete(P, Z, "t")).stdout == "ANSWER"
+    assert capsys.readouterr().out.strip() == "gcloud compute tpus tpu-vm delete t --project=proj --zone=us-central2-b --quiet"
+
+
+# --- the executor, once, against the emulator ---------------------------------------------------------
+
+
+@pytest.fixture
+def emu(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(emulator.STATE_ENV, str(tmp_path / "emu"))
+    monkeypatch.setenv(emulator.DELAY_ENV, "0")
+    shim = emulator.install_shim(str(tmp_path / "bin"))
+    monkeypatch.setenv("PATH", os.path.dirname(shim) + os.pathsep + os.environ["PATH"])
+    return tmp_path
+
+
+def gc(*args, check=False):
+    return subprocess.run(["gcloud", *args], capture_output=True, text=True, timeout=60, check=check)
+
+
+@pytest.mark.timeout(60)
+def test_executor_runs_records_streams_and_raises_one_line(emu):
+    recorded = []
+    ex = g.GcloudExecutor(record=recorded.append)
+    ex.run(g.tpu_create(P, Z, "t", "v4-16", "tpu-ubuntu2204-base"))
+    node = json.loads(ex.run(g.tpu_describe(P, Z, "t")).stdout)
+    assert node["state"] == "READY" and len(node["networkEndpoints"]) == 2
+    lines = []
+    assert ex.stream(g.tpu_ssh(P, Z, "t", "echo w$FLAXCHAT_WORKER_ID", "all"), lines.append) == 0
+    assert sorted(lines) == ["w0", "w1"]
+    with pytest.raises(g.GcloudError) as e:
+        ex.run(g.tpu_describe(P, Z, "nope"))
+    assert "NOT_FOUND" in str(e.value) and "\n" not in str(e.value) and g.is_not_found(e.value)
+    assert recorded[0].startswith("gcloud compute tpus tpu-vm create t ")
+    assert len(recorded) == 4
+
+
+def test_missing_gcloud_says_how_to_install(tmp_path):
+    ex = g.GcloudExecutor(env={"PATH": str(tmp_path)})
+    with pytest.raises(UserError, match="install the Google Cloud SDK"):
+        ex.run(g.tpu_describe(P, Z, "t"))
+
+
+# --- emulator fidelity ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_describe_has_googles_json_shape(emu):
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-32",
+       "--version=tpu-ubuntu2204-base", "--preemptible", check=True)
+    node = json.loads(gc("compute", "tpus", "tpu-vm", "describe", "t", "--project", P, "--zone", Z,
+                         "--format=json", check=True).stdout)
+    assert node["name"] == f"projects/{P}/locations/{Z}/nodes/t"
+    assert node["acceleratorType"] == "v4-32" and node["state"] == "READY"
+    assert len(node["networkEndpoints"]) == 4
+    assert all(set(ep) >= {"ipAddress", "accessConfig"} and isinstance(ep["accessConfig"], dict)
+               and "externalIp" in ep["accessConfig"] for ep in node["networkEndpoints"])
+    assert node["schedulingConfig"] == {"preemptible": True}
+
+
+@pytest.mark.timeout(60)
+def test_creating_becomes_ready_after_the_delay(emu, monkeypatch):
+    monkeypatch.setenv(emulator.DELAY_ENV, "0.6")
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-8",
+       "--version=v", "--async", check=True)
+    describe = ["compute", "tpus", "tpu-vm", "describe", "t", f"--project={P}", f"--zone={Z}", "--format=json"]
+    assert json.loads(gc(*describe).stdout)["state"] == "CREATING"
+    time.sleep(0.7)
+    assert json.loads(gc(*describe).stdout)["state"] == "READY"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, code, message", [
+    (["describe", "nope"], 1, "(gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource "
+                              "'projects/proj/locations/us-central2-b/nodes/nope' was not found"),
+    (["create", "t", "--accelerator-type=v4-8"], 2, "argument --version: Must be specified."),
+    (["create", "t", "--accelerator-type=v5p-8", "--version=v"], 1, "is not available in zone 'us-central2-b'"),
+    (["create", "t", "--accelerator-type=v9-8", "--version=v"], 1, "INVALID_ARGUMENT"),
+    (["ssh", "nope", "--command=true"], 1, "NOT_FOUND"),
+    (["describe", "t", "--bogus"], 2, "unrecognized arguments: --bogus"),
+])
+def test_errors_look_like_gclouds(emu, args, code, message):
+    proc = gc("compute", "tpus", "tpu-vm", *args, f"--project={P}", f"--zone={Z}")
+    assert proc.returncode == code
+    assert proc.stderr.startswith("ERROR: (gcloud.compute.tpus.tpu-vm.")
+    assert message in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ssh_runs_on_every_worker_in_its_own_home_and_scp_copies(emu):
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-16",
+       "--version=v", check=True)
+    out = gc("compute", "tpus", "tpu-vm", "ssh", "t", f"--project={P}", f"--zone={Z}", "--worker=all",
+             "--command=echo $FLAXCHAT_WORKER_ID $HOME $PWD; exit $FLAXCHAT_WORKER_ID")
+    assert out.returncode == 1 and "exited with return code [1]" in out.stderr
+    rows = sorted(line.split() for line in out.stdout.splitlines())
+    assert [r[0] for r in rows] == ["0", "1"]
+    assert all(r[1] == r[2] == emulator.worker_dir(P, Z, "t", int(r[0])) for r in rows)
+    src = emu / "env.json"
+    src.write_text("{}")
+    os.chmod(src, 0o600)
+    gc("compute", "tpus", "tpu-vm", "scp", str(src), "t:.flaxchat/run.env", f"--project={P}", f"--zone={Z}",
+       "--worker=all", check=True)
+    for w in (0, 1):
+        copied = os.path.join(emulator.worker_dir(P, Z, "t", w), ".flaxchat", "run.env")
+        assert oct(os.stat(copied).st_mode & 0o777) == "0o600"
+    back = emu / "back"
+    gc("compute", "tpus", "tpu-vm", "scp", "t:.flaxchat", str(back), "--recurse", f"--project={P}", f"--zone={Z}",
+       "--worker=1", check=True)
+    assert (back / "run.env").exists()
+
+
+@pytest.mark.timeout(60)
+def test_preempt_kills_every_worker_process_and_marks_the_vm(emu):
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-16",
+       "--version=v", check=True)
+    # A detached process on each worker, in its own session, as worker.py starts the training.
+    gc("compute", "tpus", "tpu-vm", "ssh", "t", f"--project={P}", f"--zone={Z}", "--worker=all",
+       "--command=setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo $! > pid", check=True)
+    pids = [int(open(os.path.join(emulator.worker_dir(P, Z, "t", w), "pid")).read()) for w in (0, 1)]
+    time.sleep(0.2)
+    assert emulator.preempt("t", Z, P) >= 2
+    deadline = time.time() + 5
+    while time.time() < deadline and any(_pid_alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not any(_pid_alive(p) for p in pids)
+    node = json.loads(gc("compute", "tpus", "tpu-vm", "describe", "t", f"--project={P}", f"--zone={Z}",
+                         "--format=json").stdout)
+    assert node["state"] == "PREEMPTED"
+    ssh = gc("compute", "tpus", "tpu-vm", "ssh", "t", f"--project={P}", f"--zone={Z}", "--command=true")
+    assert ssh.returncode == 1 and "PREEMPTED" in ssh.stderr
+
+
+@pytest.mark.timeout(60)
+def test_queued_resource_spot_lifecycle(emu):
+    z = "us-east5-b"
+    gc("compute", "tpus", "queued-resources", "create", "t-qr", f"--project={P}", f"--zone={z}",
+       "--accelerator-type=v5litepod-16", "--runtime-version=v2-alpha-tpuv5-lite", "--node-id=t", "--spot", check=True)
+    qr = json.loads(gc("compute", "tpus", "queued-resources", "describe", "t-qr", f"--project={P}", f"--zone={z}",
+                       "--format=json", check=True).stdout)
+    assert qr["state"]["state"] == "ACTIVE" and qr["tpu"]["nodeSpec"][0]["nodeId"] == "t"
+    node = json.loads(gc("compute", "tpus", "tpu-vm", "describe", "t", f"--project={P}", f"--zone={z}",
+                         "--format=json", check=True).stdout)
+    assert node["schedulingConfig"] == {"spot": True} and len(node["networkEndpoints"]) == 4
+    emulator.preempt("t", z, P)
+    qr = json.loads(gc("compute", "tpus", "queued-resources", "describe", "t-qr", f"--project={P}", f"--zone={z}",
+                       "--format=json").stdout)
+    assert qr["state"]["state"] == "SUSPENDED"
+    assert gc("compute", "tpus", "queued-resources", "delete", "t-qr", f"--project={P}", f"--zone={z}",
+              "--quiet").returncode == 1  # without --force the node blocks it
+    gc("compute", "tpus", "queued-resources", "delete", "t-qr", f"--project={P}", f"--zone={z}", "--force",
+       "--quiet", check=True)
+    assert gc("compute", "tpus", "tpu-vm", "describe", "t", f"--project={P}", f"--zone={z}").returncode == 1
+
+
+@pytest.mark.timeout(60)
+def test_injected_faults_and_unreachable_workers(emu):
+    emulator.fail_next("create", "RESOURCE_EXHAUSTED: Quota 'TPUV4sPodPerProjectPerZone' exhausted.")
+    proc = gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}",
+              "--accelerator-type=v4-16", "--version=v")
+    assert proc.returncode == 1 and "RESOURCE_EXHAUSTED" in proc.stderr
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-16",
+       "--version=v", check=True)
+    emulator.set_unreachable("t", Z, P, 1)
+    proc = gc("compute", "tpus", "tpu-vm", "ssh", "t", f"--project={P}", f"--zone={Z}", "--worker=all",
+              "--command=echo ok")
+    assert proc.returncode == 255 and proc.stdout.strip() == "ok" and "Connection timed out" in proc.stderr
+
+
+def test_admin_cli_help_and_list(emu):
+    out = subprocess.run([sys.executable, "-m", "flaxchat.cloud.emulator", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "preempt" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "flaxchat.cloud.emulator", "list"], capture_output=True, text=True)
+    assert out.returncode == 0

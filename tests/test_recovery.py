@@ -1,0 +1,201 @@
+"""The preemption state machine: every branch of the pure decision, then the loop on a fake clock."""
+
+import pytest
+
+from flaxchat.cloud.recovery import (Action, Counters, Decision, Observation, Policy, WorkerObs, decide,
+                                     next_counters, recover_loop)
+from flaxchat.remote.base import RemoteError
+
+P = Policy(poll_s=60, max_restarts=3, max_recreates=2, backoff_s=10, max_backoff_s=25,
+           heartbeat_deadline_s=600, unreachable_polls=3)
+RUN = "r1"
+
+
+def alive(step=5, age=1.0):
+    return WorkerObs(state="running", heartbeat_age=age, step=step, run_id=RUN)
+
+
+def exited(code, step=5):
+    return WorkerObs(state="exited", exit_code=code, step=step, run_id=RUN)
+
+
+def obs(*workers, vm="READY", complete=False, expects_marker=True, run_id=RUN):
+    return Observation(vm, workers, complete, run_id, expects_marker)
+
+
+def act(o, c=Counters()):
+    return decide(o, c, P)
+
+
+def test_ready_and_all_alive_keeps_watching():
+    assert act(obs(alive(), alive())).action is Action.WATCH
+
+
+def test_completion_marker_means_done_even_while_workers_exit():
+    d = act(obs(exited(0), alive(), complete=True))
+    assert d.action is Action.DONE and "marker" in d.reason
+
+
+@pytest.mark.parametrize("state", ["PREEMPTED", "TERMINATED", None])
+def test_gone_vm_is_recreated(state):
+    d = act(obs(vm=state))
+    assert d.action is Action.RECREATE
+    assert (state or "no longer exists") in d.reason
+
+
+def test_recreates_are_bounded():
+    d = act(obs(vm="PREEMPTED"), Counters(recreates=2))
+    assert d.action is Action.GIVE_UP and "2 times" in d.reason
+
+
+@pytest.mark.parametrize("state", ["CREATING", "REPAIRING", "RESTARTING", "STARTING"])
+def test_transitional_states_wait(state):
+    assert act(obs(vm=state)).action is Action.WAIT
+
+
+def test_stopped_vm_is_never_deleted():
+    d = act(obs(vm="STOPPED"))
+    assert d.action is Action.GIVE_UP and "never deletes" in d.reason
+
+
+def test_not_started_yet_starts_without_counting_a_restart():
+    d = act(obs(WorkerObs(state="none", run_id=None), WorkerObs(state="none", run_id=None)))
+    assert d.action is Action.START
+    assert next_counters(Counters(), obs(), d).restarts == 0
+
+
+def test_workers_on_an_older_run_count_as_not_started():
+    old = WorkerObs(state="exited", exit_code=0, run_id="old")
+    assert act(obs(old, old)).action is Action.START
+
+
+def test_crash_on_one_worker_restarts_with_exponential_backoff():
+    o = obs(alive(), exited(1))
+    d0 = act(o)
+    assert d0.action is Action.RESTART and "worker 1 exited 1" in d0.reason and d0.delay == 10
+    assert act(o, Counters(restarts=1)).delay == 20
+    assert act(o, Counters(restarts=2)).delay == 25  # capped
+    assert act(o, Counters(restarts=3)).action is Action.GIVE_UP
+
+
+def test_killed_worker_restarts():
+    d = act(obs(alive(), WorkerObs(state="killed", run_id=RUN)))
+    assert d.action is Action.RESTART and "worker 1 was killed" in d.reason
+
+
+def test_a_worker_that_never_joined_this_run_is_a_crash():
+    d = act(obs(alive(), WorkerObs(state="none", run_id=None)))
+    assert d.action is Action.RESTART and "never started" in d.reason
+
+
+def test_all_exit_zero_without_marker_restarts_but_done_without_a_marker_to_expect():
+    assert act(obs(exited(0), exited(0))).action is Action.RESTART
+    assert act(obs(exited(0), exited(0), expects_marker=False)).action is Action.DONE
+
+
+def test_some_finished_others_running_keeps_watching():
+    assert act(obs(exited(0), alive())).action is Action.WATCH
+
+
+def test_silent_past_deadline_is_hung():
+    d = act(obs(alive(age=5), alive(age=601)))
+    assert d.action is Action.RESTART and "hung" in d.reason and "[1]" in d.reason
+
+
+def test_unreachable_worker_waits_then_recreates():
+    o = obs(alive(), WorkerObs(reachable=False))
+    assert act(o, Counters(unreachable_polls=0)).action is Action.WAIT
+    assert act(o, Counters(unreachable_polls=1)).action is Action.WAIT
+    d = act(o, Counters(unreachable_polls=2))
+    assert d.action is Action.RECREATE and "did not answer" in d.reason
+
+
+def test_counters_track_restarts_and_unreachable_streaks():
+    o = obs(alive(step=3), exited(1, step=3))
+    c = next_counters(Counters(), o, Decision(Action.RESTART, ""))
+    assert (c.restarts, c.progress_step) == (1, 3)
+    c = next_counters(c, o, Decision(Action.RESTART, ""))
+    assert c.restarts == 2  # no progress since: the budget keeps shrinking
+    c = next_counters(c, obs(alive(step=4), alive(step=4)), Decision(Action.WATCH, ""))
+    assert (c.restarts, c.recreates, c.progress_step) == (0, 0, 4)  # progress resets it
+    u = obs(alive(), WorkerObs(reachable=False))
+    c = next_counters(next_counters(c, u, Decision(Action.WAIT, "")), u, Decision(Action.WAIT, ""))
+    assert c.unreachable_polls == 2
+    assert next_counters(c, u, Decision(Action.RECREATE, "")).unreachable_polls == 0
+    assert next_counters(c, obs(alive(), alive()), Decision(Action.WATCH, "")).unreachable_polls == 0
+
+
+class FakePod:
+    """Scripted observations; the actions record themselves (and may fail)."""
+
+    def __init__(self, script, fail=()):
+        self.script, self.fail, self.calls = list(script), set(fail), []
+
+    def observe(self):
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+    def _act(self, name):
+        self.calls.append(name)
+        if name in self.fail:
+            self.fail.discard(name)
+            raise RemoteError(f"{name} failed: RESOURCE_EXHAUSTED")
+
+    def start(self):
+        self._act("start")
+
+    def restart(self):
+        self._act("restart")
+
+    def recreate(self):
+        self._act("recreate")
+
+
+class FakeClock:
+    def __init__(self):
+        self.t, self.sleeps = 0.0, []
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.t += s
+
+
+def test_loop_walks_start_preemption_crash_and_completion():
+    none = WorkerObs(state="none", run_id=None)
+    pod = FakePod([obs(none, none), obs(alive(1), alive(1)), obs(vm="PREEMPTED"), obs(vm="CREATING"),
+                   obs(alive(2), exited(1, 2)), obs(alive(3), alive(3)), obs(exited(0), exited(0), complete=True)])
+    clock, logs = FakeClock(), []
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=logs.append)
+    assert d.action is Action.DONE
+    assert pod.calls == ["start", "recreate", "restart"]
+    assert clock.sleeps.count(60) == 6 and 10 in clock.sleeps  # polls, and the restart backoff
+    text = "\n".join(logs)
+    for word in ("start:", "watch:", "recreate: the VM is PREEMPTED", "wait: the VM is CREATING",
+                 "restart: worker 1 exited 1", "done:"):
+        assert word in text
+    assert logs[0].startswith("[recover +0s]")
+
+
+def test_loop_logs_a_failed_action_and_retries_it():
+    pod = FakePod([obs(vm="PREEMPTED"), obs(vm="PREEMPTED"), obs(alive(), alive(), complete=True)], fail={"recreate"})
+    clock, logs = FakeClock(), []
+    assert recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=logs.append).action is Action.DONE
+    assert pod.calls == ["recreate", "recreate"]
+    assert any("recreate failed: recreate failed: RESOURCE_EXHAUSTED" in line for line in logs)
+
+
+def test_loop_gives_up_after_bounded_restarts():
+    pod = FakePod([obs(alive(), exited(2))])
+    clock = FakeClock()
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert d.action is Action.GIVE_UP and "restarted 3 times" in d.reason
+    assert pod.calls == ["restart"] * 3
+
+
+def test_loop_timeout_is_a_give_up():
+    pod = FakePod([obs(alive(), alive())])
+    clock = FakeClock()
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None, timeout=300)
+    assert d.action is Action.GIVE_UP and "timed out" in d.reason and clock.t <= 400
