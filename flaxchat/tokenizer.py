@@ -292,9 +292,10 @@ def get_default_tokenizer_dir() -> Path:
 
 
 def train_or_load(directory: str | os.PathLike | None, texts_fn: Callable[[], Iterable[str]], vocab_size: int,
-                  max_chars: int = 50_000_000, log: Callable[[str], object] | None = print) -> Tokenizer:
+                  max_chars: int = 10_000_000, log: Callable[[str], object] | None = print) -> Tokenizer:
     """Load the tokenizer in `directory` (default: `get_default_tokenizer_dir()`); if there is none,
-    train one on `texts_fn()` and save it there, so the first run trains and later runs reuse it."""
+    train one on `texts_fn()` and save it there, so the first run trains and later runs reuse it.
+    The default 10M characters train a 4096-token vocabulary on the built-in stories in ~3 s."""
     directory = Path(directory) if directory is not None else get_default_tokenizer_dir()
     if (directory / FILENAME).is_file():
         tok = Tokenizer.load(directory)

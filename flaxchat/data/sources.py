@@ -286,15 +286,14 @@ def _describe(spec: str, files: list[str]) -> str:
 
 def parse_hub_spec(spec: str) -> dict:
     """`hf:owner/name[/glob][?files=N&field=text&revision=R]` or `hf://datasets/owner/name[/glob]...`."""
-    parsed = urlparse(spec)
-    path = (parsed.netloc + parsed.path) if spec.startswith("hf://") else spec[len("hf:"):].split("?")[0]
+    path, _, query = spec[len("hf://" if spec.startswith("hf://") else "hf:"):].partition("?")
     path = path.strip("/")
     if path.startswith("datasets/"):
         path = path[len("datasets/"):]
     parts = path.split("/")
     if len(parts) < 2 or not all(parts[:2]):
         raise UserError(f"'{spec}' is not a hub dataset; write hf:owner/name, e.g. hf:roneneldan/TinyStories")
-    options = dict(parse_qsl(parsed.query if spec.startswith("hf://") else spec.partition("?")[2]))
+    options = dict(parse_qsl(query))
     unknown = set(options) - {"files", "field", "revision"}
     if unknown:
         raise UserError(f"unknown option '{sorted(unknown)[0]}' in '{spec}'; known: files, field, revision")

@@ -524,6 +524,7 @@ _DETAILS = (
     "{N} [hummed a little song|skipped along|counted the clouds|looked at the <animals>].",
     "Earlier that day, {N} and {F} had <activity>.",
     "{He} had already <activity> [that morning|before breakfast|the day before].",
+    "{N} {moves} along [happily|as fast as {he} could|without a care in the world].",
 )
 # Beats told after the resolution and before the moral, whatever the arc.
 _EVENING = (
@@ -571,7 +572,7 @@ def _slots(rng: random.Random) -> dict:
     surname = rng.choice(_TOWN_PARTS[0]) + rng.choice(_SURNAME_ENDS)
     s = {
         "town": town, "nb": f"{neighbor} {surname}", "nb_job": rng.choice(_JOBS),
-        "N": hero["name"], "kind": hero["kind"], "home": hero["home"],
+        "N": hero["name"], "kind": hero["kind"], "home": hero["home"], "moves": hero["moves"],
         "N_intro": f"{_a(size)} {hero['kind']} named {hero['name']}", "N_a_size": _a(size),
         "he": he, "He": he.capitalize(), "him": him, "his": his, "His": his.capitalize(),
         "himself": "herself" if hero["female"] else "himself", "trait": trait,
