@@ -15,7 +15,7 @@ import time
 from typing import Iterable, Iterator
 
 from flaxchat.errors import UserError, cli_main
-from flaxchat.tokenizer import FILENAME, Tokenizer, get_default_tokenizer_dir
+from flaxchat.tokenizer import FILENAME, SPECIAL_TOKENS, Tokenizer, get_default_tokenizer_dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +56,9 @@ def main(argv=None) -> int:
         raise UserError(f"{out} already has a tokenizer; pass --force to overwrite it or --out for another folder")
     if args.max_chars < 1 or args.eval_docs < 1:
         raise UserError("--max-chars and --eval-docs must be positive")
+    if args.vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise UserError(f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + "
+                        f"{len(SPECIAL_TOKENS)} special tokens)")
 
     # --- data
     train = resolve_source(args.data, "train", seed=args.seed, field=args.field)
