@@ -103,3 +103,55 @@ def peak_rss_mb() -> float:
 def global_batch(compute: Compute, local: np.ndarray) -> jax.Array:
     """This process's rows -> one global array sharded over the data axis of the mesh."""
     return jax.make_array_from_process_local_data(compute.batch_sharding(), local)
+
+
+# bf16 dense peak FLOP/s per chip, from the vendors' spec sheets (for MFU on accelerators).
+PEAK_FLOPS_BY_KIND = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "A100": 312e12, "H100": 989e12, "H200": 989e12,
+}
+
+_cpu_peak_cache: dict[str, float] = {}
+
+
+def measured_matmul_peak(n: int = 2048, dtype=jnp.float32, reps: int = 5) -> float:
+    """FLOP/s of a jitted n³ matmul on the default device: the honest peak for MFU on a CPU."""
+    import time
+    key = f"{n}-{jnp.dtype(dtype).name}"
+    if key in _cpu_peak_cache:
+        return _cpu_peak_cache[key]
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    _cpu_peak_cache[key] = 2 * n**3 / best
+    return _cpu_peak_cache[key]
+
+
+def device_peak_flops(compute: "Compute") -> float:
+    """Peak FLOP/s of one device: the spec sheet on TPU/GPU, a measured matmul on CPU."""
+    kind = jax.devices()[0].device_kind
+    for name, peak in PEAK_FLOPS_BY_KIND.items():
+        if name.lower() in kind.lower():
+            return peak
+    # Devices of a fake multi-device CPU share the same cores: the peak is the machine's, split.
+    return measured_matmul_peak(dtype=compute.compute_dtype) / max(1, jax.local_device_count())
+
+
+def allgather_json(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (one collective, any sizes)."""
+    import json
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))
+    buf = np.zeros(int(np.max(sizes)), np.uint8)
+    buf[:data.size] = data
+    allbufs = multihost_utils.process_allgather(buf)
+    return [json.loads(bytes(allbufs[i][:int(sizes[i][0])]).decode()) for i in range(jax.process_count())]

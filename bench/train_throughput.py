@@ -1,0 +1,111 @@
+"""Training throughput: tokens/s and MFU of the real train step, against a plain baseline, in one run.
+
+    python -m bench.train_throughput                 # configs A and B, all modes (~5 min on 2 cores)
+    python -m bench.train_throughput --configs A --steps 5
+
+Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak
+(the plain formula, full T for every layer). Modes per config:
+  baseline   a straightforward port: jnp.matmul backward, dense TxT masked attention, AdamW, no accumulation
+  flaxchat   the real step (fast-backward matmul, blockwise attention, Muon+AdamW), one micro-batch
+  flaxchat16k  the real step at 16,384 tokens per optimizer step (gradient accumulation in one jit)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flaxchat import gpt as gpt_mod
+from flaxchat import ops
+from flaxchat.common import measured_matmul_peak
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT, estimate_flops
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+from flaxchat.train import train_step
+
+CONFIGS = {
+    "A": dict(cfg=GPTConfig(sequence_len=256, vocab_size=4096, n_layer=4, n_head=4, n_kv_head=4, n_embd=256),
+              rows=8, micro_rows=4),
+    "B": dict(cfg=GPTConfig(sequence_len=512, vocab_size=4096, n_layer=8, n_head=8, n_kv_head=8, n_embd=512),
+              rows=4, micro_rows=2),
+}
+
+
+@contextlib.contextmanager
+def baseline_kernels():
+    """Swap in the textbook kernels: autodiff matmul and a dense masked attention."""
+    saved = ops.matmul, ops.causal_attention
+    ops.matmul = jnp.matmul
+    ops.causal_attention = lambda q, k, v, window, block=0: ops.reference_attention(q, k, v, window)
+    try:
+        yield
+    finally:
+        ops.matmul, ops.causal_attention = saved
+
+
+def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
+    model = GPT(cfg, rngs=nnx.Rngs(seed))
+    tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, depth=cfg.n_layer), Schedule(1000))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
+    y = jnp.roll(x, -1, axis=-1)
+    step = train_step  # each mode traces anew: the kernels are looked up at trace time
+    t = time.perf_counter()
+    step(model, opt, x, y).block_until_ready()
+    compile_s = time.perf_counter() - t
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step(model, opt, x, y).block_until_ready()
+        times.append(time.perf_counter() - t)
+    dt = float(np.median(times))
+    tokens = accum * rows * cfg.sequence_len
+    flops = estimate_flops(model, window_aware=False)
+    return dict(tokens=tokens, ms=dt * 1e3, tok_s=tokens / dt, flops_per_tok=flops, compile_s=compile_s)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="A,B", help="comma-separated: A, B")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
+    p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
+    args = p.parse_args(argv)
+
+    peak = measured_matmul_peak(2048, jnp.float32)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
+          f"fp32 2048^3 matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'compile':>8}")
+    for name in args.configs.split(","):
+        spec = CONFIGS[name]
+        cfg = spec["cfg"]
+        T = cfg.sequence_len
+        for mode in args.modes.split(","):
+            if mode == "baseline":
+                with baseline_kernels():
+                    r = run_mode(cfg, spec["rows"], 1, "adamw", args.steps)
+            elif mode == "flaxchat":
+                r = run_mode(cfg, spec["rows"], 1, "muon", args.steps)
+            elif mode == "flaxchat16k":
+                micro = spec["micro_rows"]
+                r = run_mode(cfg, micro, 16384 // (micro * T), "muon", args.steps)
+            else:
+                raise SystemExit(f"unknown mode {mode!r}")
+            mfu = 100 * r["tok_s"] * r["flops_per_tok"] / peak
+            print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {mfu:>5.1f}% "
+                  f"{r['compile_s']:>7.1f}s", flush=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS {rss:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

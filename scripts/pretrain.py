@@ -1,0 +1,308 @@
+"""Pretrain a GPT: tokenizer -> model -> optimizer -> data -> loop, resuming exactly from a checkpoint.
+
+    python -m scripts.pretrain --depth=4 --steps=1000 --run-dir=runs/d4
+    python -m scripts.pretrain --depth=24                      # on a TPU pod, via the cloud launcher
+
+A run folder that already holds a checkpoint resumes from it (same data position, same optimizer
+state; the final weights equal an uninterrupted run's). `--fresh` starts over and moves the old
+checkpoints aside (never deletes them). Several processes (a pod, or a rehearsal on one machine)
+form one job when JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID are set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+from flaxchat.config import ArgumentParser, TrainConfig, add_dataclass_args, dataclass_from_args
+from flaxchat.errors import UserError, cli_main
+
+HELP = {
+    "run_dir": "folder for checkpoints, report, plot and samples",
+    "data": "'stories' (built-in, offline), a path/glob of .txt/.jsonl/.parquet, or hf:owner/dataset",
+    "depth": "the one dial: layers; width = 64 x depth",
+    "steps": "optimizer steps; -1 derives them from --param-data-ratio",
+    "device_batch_size": "rows per micro-batch per device",
+    "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: one micro-batch per device",
+    "fresh": "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, not deleted)",
+}
+SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
+
+
+def parse_args(argv, defaults=None, description=__doc__):
+    parser = ArgumentParser(prog="python -m scripts.pretrain", description=description,
+                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_dataclass_args(parser, TrainConfig, defaults, HELP)
+    cfg = dataclass_from_args(TrainConfig, parser.parse_args(argv))
+    cfg.validate()
+    return cfg
+
+
+def main(argv=None, defaults=None) -> int:
+    run(parse_args(argv, defaults))
+    return 0
+
+
+def run(tc: TrainConfig) -> dict:
+    # Heavy imports here so that --help and bad flags answer at once.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from flaxchat import checkpoint as ckpt
+    from flaxchat.common import allgather_json, compute_init, device_peak_flops, fmt_duration, global_batch, peak_rss_mb, print0
+    from flaxchat.config import GPTConfig, config_for_depth, save_json
+    from flaxchat.data.loader import PackingLoader
+    from flaxchat.data.sources import resolve_source
+    from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.tokenizer import texts_of, train_or_load
+    from flaxchat.train import bits_per_byte, eval_step, sample, train_step
+
+    t_start = time.time()
+    # --- compute ------------------------------------------------------------------------------
+    compute = compute_init(tc.dtype)
+    os.makedirs(tc.run_dir, exist_ok=True)
+    print0(f"compute: {compute.backend}, {compute.device_count} device(s) in {compute.process_count} process(es), "
+           f"dtype {jnp.dtype(compute.compute_dtype).name}")
+
+    # --- data sources and tokenizer -----------------------------------------------------------
+    train_src = resolve_source(tc.data, split="train", seed=tc.seed)
+    val_src = resolve_source(tc.data, split="val", seed=tc.seed)
+    print0(f"data: {train_src.name}")
+    tok_dir = tc.tokenizer_dir or os.path.join(tc.run_dir, "tokenizer")
+    if compute.is_main:
+        tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size,
+                                  max_chars=tc.max_chars_tokenizer, log=print0)
+    _barrier("tokenizer")
+    tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size, max_chars=tc.max_chars_tokenizer, log=None)
+    token_bytes = jnp.asarray(tokenizer.token_bytes())
+
+    # --- checkpoint: resume or start -----------------------------------------------------------
+    ckpt_dir = os.path.join(tc.run_dir, "checkpoints")
+    if tc.fresh and compute.is_main:
+        moved = ckpt.set_aside(ckpt_dir)
+        if moved:
+            print0(f"--fresh: moved the existing checkpoints to {moved}")
+    _barrier("fresh")
+    checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=tc.keep_checkpoints)
+    resume_step = checkpointer.latest_step()
+    meta = checkpointer.read_meta(resume_step) if resume_step is not None else None
+
+    # --- model ---------------------------------------------------------------------------------
+    model_cfg = config_for_depth(tc.depth, vocab_size=tokenizer.vocab_size, sequence_len=tc.sequence_len,
+                                 window_pattern=tc.window_pattern, grad_checkpoint=tc.grad_checkpoint)
+    if meta is not None:
+        saved = GPTConfig.from_dict(meta["model_config"])
+        if dataclasses.replace(saved, grad_checkpoint=False) != dataclasses.replace(model_cfg, grad_checkpoint=False):
+            raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
+                            f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
+    model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype)
+    n_params, n_matmul = param_count(model), matmul_param_count(model)
+    flops_per_token = estimate_flops(model)
+    print0(f"model: depth {model_cfg.n_layer}, width {model_cfg.n_embd}, {model_cfg.n_head} heads of "
+           f"{model_cfg.head_dim}, windows {model_cfg.window_sizes()}, {n_params:,} parameters "
+           f"({n_matmul:,} in matmuls), {flops_per_token / 1e6:.1f} MFLOP/token")
+
+    # --- batch geometry and horizon -------------------------------------------------------------
+    T = tc.sequence_len
+    rows_per_micro = tc.device_batch_size * compute.device_count
+    total = tc.total_batch_size if tc.total_batch_size > 0 else rows_per_micro * T
+    if total % (rows_per_micro * T):
+        raise UserError(f"--total-batch-size {total} is not a multiple of device_batch_size x devices x "
+                        f"sequence_len = {rows_per_micro * T}.")
+    grad_accum = total // (rows_per_micro * T)
+    if tc.steps > 0:
+        steps = tc.steps
+    else:
+        steps = max(1, math.ceil(tc.param_data_ratio * n_matmul / total))
+    print0(f"batch: {total:,} tokens/step = {grad_accum} micro-batch(es) of {rows_per_micro} x {T}; "
+           f"{steps:,} steps = {steps * total / 1e6:.1f}M tokens")
+
+    # --- optimizer ------------------------------------------------------------------------------
+    schedule = Schedule(steps, tc.warmup_ratio, tc.warmdown_ratio, tc.final_lr_frac)
+    ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
+    opt_cfg = OptimConfig(tc.optimizer, tc.matrix_lr, tc.embedding_lr, tc.unembedding_lr, tc.scalar_lr,
+                          tc.weight_decay, tc.adam_beta1, tc.adam_beta2, model_cfg.n_embd, tc.depth, ns_dtype)
+    optimizer = nnx.Optimizer(model, build_optimizer(opt_cfg, schedule), wrt=nnx.Param)
+    _replicate(nnx.state(model), compute)
+    _replicate(nnx.state(optimizer), compute)
+
+    # --- data loaders: one stream per device, so the global batch does not depend on how the
+    # devices are spread over processes (2 processes x 1 device == 1 process x 2 devices).
+    local_shards = _local_shard_indices(compute)
+    loaders = [PackingLoader(train_src, tokenizer, tc.device_batch_size, T, process_index=s,
+                             process_count=compute.device_count) for s in local_shards]
+    step = 0
+    if meta is not None:
+        step = checkpointer.restore(model, optimizer, resume_step)["step"]
+        states = meta.get("loader_states") or []
+        if len(states) == compute.device_count:
+            for s, loader in zip(local_shards, loaders):
+                loader.load_state_dict(states[s])
+        else:
+            print0(f"warning: the checkpoint was written with {len(states)} data shard(s), this job has "
+                   f"{compute.device_count}; the data order restarts from the beginning.")
+        print0(f"resumed from step {step} in {ckpt_dir}")
+
+    def next_batch():
+        xs, ys = [], []
+        for _ in range(grad_accum):
+            pairs = [ld.next_batch() for ld in loaders]
+            xs.append(np.concatenate([p[0] for p in pairs]))
+            ys.append(np.concatenate([p[1] for p in pairs]))
+        return global_batch(compute, np.stack(xs)), global_batch(compute, np.stack(ys))
+
+    def loader_meta():
+        local = {s: ld.state_dict() for s, ld in zip(local_shards, loaders)}
+        merged = {}
+        for part in allgather_json({str(k): v for k, v in local.items()}):
+            merged.update(part)
+        return [merged[str(i)] for i in range(compute.device_count)]
+
+    def save(at_step):
+        checkpointer.save(at_step, model, optimizer, dict(
+            model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
+            data=train_src.name, tokens_seen=at_step * total))
+
+    def evaluate():
+        loader = PackingLoader(val_src, tokenizer, tc.device_batch_size, T, process_index=0, process_count=1)
+        nats = nbytes = 0.0
+        for _ in range(max(1, tc.eval_tokens // (tc.device_batch_size * T))):
+            x, y = loader.next_batch()
+            a, b, _ = eval_step(model, jnp.asarray(x), jnp.asarray(y), token_bytes)
+            nats, nbytes = nats + float(a), nbytes + float(b)
+        return bits_per_byte(nats, nbytes)
+
+    def stories():
+        prompts = [tokenizer.encode(p, prepend=tokenizer.bos_token_id) for p in SAMPLE_PROMPTS[:tc.num_samples]]
+        outs = sample(model, prompts, max_new=min(120, T - 8), seed=tc.seed + step)
+        return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
+
+    metrics = MetricsLog(os.path.join(tc.run_dir, "metrics.jsonl"))
+    if compute.is_main:
+        save_json(os.path.join(tc.run_dir, "config.json"), dict(model=model_cfg.to_dict(), train=tc.to_dict(),
+                  steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
+
+    # --- training loop ----------------------------------------------------------------------------
+    peak = device_peak_flops(compute) * compute.device_count
+    smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
+    last_bpb = None
+    while step < steps:
+        x, y = next_batch()
+        t0 = time.time()
+        loss = train_step(model, optimizer, x, y)
+        step += 1
+        if compile_s is None:
+            loss.block_until_ready()
+            compile_s = time.time() - t0
+            t_window, tokens_window, t_loop = time.time(), 0, time.time()
+            print0(f"compiled the train step in {compile_s:.1f}s")
+        else:
+            tokens_window += total
+        if step % tc.log_every == 0 or step == steps:
+            lossf = float(loss)
+            if not math.isfinite(lossf):
+                raise UserError(f"the loss became {lossf} at step {step}; lower the learning rates or check the data.")
+            smooth = lossf if smooth is None else 0.9 * smooth + 0.1 * lossf
+            dt = max(time.time() - t_window, 1e-9)
+            tps = tokens_window / dt if tokens_window else 0.0
+            mfu = 100 * tps * flops_per_token / peak if tps else 0.0
+            eta = (steps - step) * total / tps if tps else 0.0
+            print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | lr x{float(schedule.lr_multiplier(step - 1)):.2f} | "
+                   f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {fmt_duration(eta)}")
+            if compute.is_main:
+                metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, time=time.time())
+            t_window, tokens_window = time.time(), 0
+        if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == steps):
+            last_bpb = evaluate()
+            print0(f"step {step:05d} | val bpb {last_bpb:.4f}")
+            if compute.is_main:
+                metrics.append(kind="val", step=step, val_bpb=last_bpb)
+        if tc.sample_every > 0 and step % tc.sample_every == 0 and step < steps:
+            for s in stories():
+                print0(f"sample: {s!r}")
+        if step == steps or (tc.save_every > 0 and step % tc.save_every == 0):
+            save(step)
+        if tokens_window == 0:
+            t_window = time.time()  # evaluation, sampling and saving are not training time
+    checkpointer.close()
+    train_seconds = time.time() - t_loop
+
+    # --- samples, report, completion marker -------------------------------------------------------
+    samples = stories()
+    summary = dict(step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
+                   train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=os.path.abspath(tc.run_dir))
+    if compute.is_main:
+        print0("\n--- sampled stories ---")
+        for s in samples:
+            print0(s + "\n")
+        with open(os.path.join(tc.run_dir, "samples.txt"), "w") as f:
+            f.write("\n\n".join(samples) + "\n")
+        entries = metrics.read()
+        png = plot_losses(entries, os.path.join(tc.run_dir, "loss.png"), f"depth {tc.depth} on {train_src.name}")
+        write_report(os.path.join(tc.run_dir, "report.md"), title=f"flaxchat pretraining: depth {tc.depth}", sections=[
+            ("Run", {"data": train_src.name, "steps": steps, "tokens/step": total, "grad accumulation": grad_accum,
+                     "devices": f"{compute.device_count} {compute.backend} in {compute.process_count} process(es)",
+                     "parameters": f"{n_params:,}", "final loss (smoothed)": f"{smooth:.4f}" if smooth else "-",
+                     "val bpb": f"{last_bpb:.4f}" if last_bpb else "-", "compile": f"{compile_s or 0:.1f}s",
+                     "training time": fmt_duration(train_seconds), "peak RSS": f"{peak_rss_mb():.0f} MB"}),
+            ("Loss curve", "![loss](loss.png)" if png else "(no steps logged)"),
+            ("Samples", [s.replace("\n", " ") for s in samples]),
+            ("Config", model_cfg.to_dict()),
+        ])
+        save_json(os.path.join(tc.run_dir, "COMPLETE"), summary)
+        print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val bpb {last_bpb}; "
+               f"report {os.path.join(tc.run_dir, 'report.md')}")
+    summary["samples"] = samples
+    return summary
+
+
+def _until_bos(tokens, bos):
+    return tokens[:tokens.index(bos)] if bos in tokens else tokens
+
+
+def _barrier(name: str) -> None:
+    import jax
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _local_shard_indices(compute) -> list[int]:
+    """Positions on the mesh's data axis of this process's devices, in mesh order."""
+    devices = list(compute.mesh.devices.flat)
+    import jax
+    return [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+
+
+def _replicate(state, compute) -> None:
+    """Place every array of `state` on all devices of the mesh (identical on every process)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    sharding = compute.replicated()
+
+    def put(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if compute.process_count == 1:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    # Always, even on one device: arrays left uncommitted would come back from the first step
+    # committed to the mesh, and the changed input types would compile the step a second time.
+    for var in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        if isinstance(var, nnx.Variable) and isinstance(var.get_value(), jax.Array):
+            var.set_value(put(var.get_value()))
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

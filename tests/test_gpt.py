@@ -1,0 +1,128 @@
+"""The model: shapes, causality, sliding windows against a dense reference, GQA, determinism."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxchat import ops
+from flaxchat.config import GPTConfig, config_for_depth
+from flaxchat.errors import UserError
+from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
+
+TINY = GPTConfig(sequence_len=48, vocab_size=203, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
+                 window_pattern="SL", attn_block=16)
+
+
+def _nonzero_model(cfg, seed=0):
+    """Zero-initialised output projections hide bugs (a layer that does nothing): randomise all."""
+    model = GPT(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    return model
+
+
+def test_shapes_and_padding():
+    model = GPT(TINY, rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((2, 48), jnp.int32))
+    assert logits.shape == (2, 48, 203) and logits.dtype == jnp.float32
+    assert model.wte.embedding.shape == (256, 64)  # vocab padded to a multiple of 64
+    assert float(jnp.max(jnp.abs(logits))) <= 15.0  # soft-cap
+
+
+def test_causality_future_tokens_never_change_the_past():
+    model = _nonzero_model(TINY)
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(rng.integers(0, 203, (1, 48)), jnp.int32)
+    base = model(idx)
+    for t in (5, 17, 40):
+        changed = idx.at[0, t].set((idx[0, t] + 7) % 203)
+        out = model(changed)
+        np.testing.assert_array_equal(np.asarray(out[0, :t]), np.asarray(base[0, :t]))
+        assert not np.allclose(out[0, t:], base[0, t:])
+
+
+@pytest.mark.parametrize("window,T,block", [(16, 48, 16), (32, 48, 16), (48, 48, 16), (20, 40, 8), (64, 50, 16)])
+def test_blockwise_attention_equals_dense_reference(window, T, block):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(k1, (2, T, 4, 8))
+    k = jax.random.normal(k2, (2, T, 2, 8))  # GQA: 2 kv heads for 4 query heads
+    v = jax.random.normal(k3, (2, T, 2, 8))
+    got = ops.causal_attention(q, k, v, window=window, block=block)
+    want = ops.reference_attention(q, k, v, window=window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # and the gradients agree too
+    g_got = jax.grad(lambda q: ops.causal_attention(q, k, v, window, block).sum())(q)
+    g_want = jax.grad(lambda q: ops.reference_attention(q, k, v, window).sum())(q)
+    np.testing.assert_allclose(g_got, g_want, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_limits_what_a_layer_sees():
+    # With a single short-window layer, a token beyond the window cannot affect the output.
+    cfg = dataclasses.replace(TINY, n_layer=1, window_pattern="S")
+    cfg = dataclasses.replace(cfg, n_layer=2, window_pattern="SL")
+    assert cfg.window_sizes() == [16, 48]
+    one = dataclasses.replace(TINY, n_layer=1)
+    assert one.window_sizes() == [48]  # the last layer is always full context
+
+
+def test_gqa_matches_repeated_kv_heads():
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(k1, (1, 32, 6, 8))
+    k = jax.random.normal(k2, (1, 32, 2, 8))
+    v = jax.random.normal(k3, (1, 32, 2, 8))
+    gqa = ops.causal_attention(q, k, v, window=32, block=16)
+    mha = ops.causal_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), window=32, block=16)
+    np.testing.assert_allclose(gqa, mha, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_is_deterministic_and_remat_is_exact():
+    model = _nonzero_model(TINY)
+    idx = jnp.asarray(np.random.default_rng(1).integers(0, 203, (2, 48)), jnp.int32)
+    a, b = model(idx), model(idx)
+    np.testing.assert_array_equal(a, b)
+    remat = _nonzero_model(dataclasses.replace(TINY, grad_checkpoint=True))
+    np.testing.assert_allclose(remat(idx), a, rtol=1e-6, atol=1e-6)
+
+
+def test_tied_embeddings_have_no_head():
+    model = GPT(dataclasses.replace(TINY, tie_embeddings=True), rngs=nnx.Rngs(0))
+    assert model.lm_head is None
+    assert model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 203)
+
+
+def test_depth_preset_and_flops():
+    cfg = config_for_depth(4)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_dim) == (4, 256, 4, 64)
+    cfg = config_for_depth(12, vocab_size=32768, sequence_len=2048)
+    assert (cfg.n_embd, cfg.n_head, cfg.head_dim) == (768, 6, 128)
+    model = GPT(TINY, rngs=nnx.Rngs(0))
+    L, d = TINY.n_layer, TINY.n_embd
+    blocks = L * (4 * d * d + 8 * d * d) - 2 * L * d * d // 2  # q,o: d*d; k,v: d*d/2 (GQA); mlp: 8d^2
+    assert matmul_param_count(model) == blocks + d * TINY.padded_vocab_size
+    plain = estimate_flops(model, window_aware=False)
+    assert plain == 6 * matmul_param_count(model) + 12 * L * d * TINY.sequence_len
+    assert estimate_flops(model) < plain  # the short-window layer does less attention work
+    assert param_count(model) > matmul_param_count(model)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(n_embd=65, n_head=4), "divisible"),
+    (dict(window_pattern="SXL"), "window pattern"),
+    (dict(n_layer=0), "n_layer"),
+    (dict(n_head=4, n_kv_head=3), "multiple"),
+])
+def test_impossible_configs_say_what_is_wrong(kwargs, words):
+    with pytest.raises(UserError, match=words):
+        dataclasses.replace(TINY, **kwargs)
+
+
+def test_depth_zero_is_refused():
+    with pytest.raises(UserError, match="depth"):
+        config_for_depth(0)
