@@ -118,7 +118,9 @@ def format_command(argv: Sequence[str]) -> str:
 
 
 def _worker_py(*args: str) -> str:
-    return shlex.join(["python3", WORKER_PY, *args])
+    # -S: worker.py uses only the standard library (except `probe`), so skip site-packages start-up.
+    flags = [] if args[:1] == ("probe",) else ["-S"]
+    return shlex.join(["python3", *flags, WORKER_PY, *args])
 
 
 def unpack_command() -> str:

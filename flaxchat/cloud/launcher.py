@@ -622,7 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--all-workers", action="store_true", help="--logs: every worker, lines prefixed [wN]")
     opt.add_argument("--no-follow", action="store_true", help="--logs: print the last lines and return")
     opt.add_argument("--lines", type=int, default=50, help="--logs: lines of history (default 50)")
-    opt.add_argument("--poll-interval", type=float, default=60.0, help="--recover poll interval, s (default 60)")
+    opt.add_argument("--poll-interval", type=float, help="--wait/--recover poll interval, s (default 10/60)")
+    opt.add_argument("--startup-check", type=float, default=TPUConfig.startup_check_s,
+                     help="--run: seconds to watch for a command that exits at once (default 5)")
     opt.add_argument("--heartbeat-deadline", type=float, default=rec.Policy.heartbeat_deadline_s,
                      help="--recover: a worker silent this long is hung (s)")
     opt.add_argument("--max-restarts", type=int, default=rec.Policy.max_restarts)
@@ -711,6 +713,8 @@ def main(argv=None) -> int:
     config.validate()
     env, secrets = _parse_env(args.env), _secrets(args.secret)
     executor = None
+    config.startup_check_s = args.startup_check
+    config.poll_s = args.poll_interval or config.poll_s
     if args.dry_run:
         executor = _dry_run_executor(config, exists=not args.create)
         config.startup_check_s = 0
@@ -741,7 +745,7 @@ def main(argv=None) -> int:
     if args.download_checkpoint:
         launcher.download_checkpoint(args.download_checkpoint, run_dir=args.run_dir)
     if args.recover:
-        policy = rec.Policy(poll_s=args.poll_interval, heartbeat_deadline_s=args.heartbeat_deadline,
+        policy = rec.Policy(poll_s=args.poll_interval or 60.0, heartbeat_deadline_s=args.heartbeat_deadline,
                             max_restarts=args.max_restarts)
         result = launcher.recover(args.recover, env=env or None, secrets=secrets or None,
                                   local_repo_path=args.upload or ".", policy=policy, timeout=args.timeout)
