@@ -257,7 +257,10 @@ def status(state_dir: str, marker: str = "") -> dict:
         hb_age = max(0.0, time.time() - os.path.getmtime(p["hb"]))
     except OSError:
         hb_age = None
-    disk = shutil.disk_usage(os.path.expanduser("~"))
+    where = p["dir"]
+    while not os.path.exists(where):  # the disk the run writes to: the state folder's, or its parent's
+        where = os.path.dirname(where)
+    disk = shutil.disk_usage(where)
     cwd = run.get("cwd", os.getcwd())
     return {"worker": worker_id(), "run_id": run.get("run_id"), "state": state, "alive": alive,
             "pid": run.get("child_pid"), "exit_code": ended["exit_code"] if ended else None,
