@@ -166,6 +166,7 @@ def run(tc: TrainConfig) -> dict:
         return [merged[str(i)] for i in range(compute.device_count)]
 
     def save(at_step):
+        print0(f"step {at_step:05d} | saving checkpoint")
         checkpointer.save(at_step, model, optimizer, dict(
             model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
             data=train_src.name, tokens_seen=at_step * total))

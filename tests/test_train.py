@@ -1,0 +1,154 @@
+"""Pretraining end to end: exact resume after SIGKILL, the main job, and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxchat.checkpoint import Checkpointer
+from flaxchat.config import GPTConfig
+from flaxchat.errors import cli_main
+from flaxchat.gpt import GPT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--depth=1", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2", "--total-batch-size=128",
+        "--eval-every=0", "--sample-every=0", "--log-every=1", "--num-samples=1", "--max-chars-tokenizer=300000"]
+
+
+def _env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+def _pretrain(args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "scripts.pretrain", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _final_params(run_dir):
+    ck = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
+    meta = ck.read_meta()
+    model = GPT(GPTConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(0))
+    meta = ck.restore(model)
+    ck.close()
+    return meta["step"], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    r = _pretrain([*TINY, f"--run-dir={d / 'warm'}", f"--tokenizer-dir={d / 'tokenizer'}", "--steps=1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(d / "tokenizer")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_exact_resume_after_sigkill(tmp_path, tokenizer_dir):
+    common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=12", "--save-every=4"]
+    ref = tmp_path / "uninterrupted"
+    r = _pretrain([*common, f"--run-dir={ref}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *common, f"--run-dir={run}"], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    seen = []
+    for line in proc.stdout:  # kill the moment the step-8 save has been issued (async write in flight)
+        seen.append(line)
+        if "step 00008 | saving checkpoint" in line or time.time() > deadline:
+            # The step-4 save is asynchronous too: let it land so there is something to resume.
+            while not (run / "checkpoints" / "4").is_dir() and time.time() < deadline:
+                time.sleep(0.05)
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert any("saving checkpoint" in s for s in seen), "".join(seen)[-2000:]
+    assert not (run / "COMPLETE").exists()
+    # A save that a kill cut short leaves a temp folder; plant one for certain, it must be ignored.
+    (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234").mkdir(parents=True)
+    (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234" / "junk").write_text("half-written")
+
+    r = _pretrain([*common, f"--run-dir={run}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from step" in r.stdout
+    step_a, a = _final_params(ref)
+    step_b, b = _final_params(run)
+    assert step_a == step_b == 12
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
+    assert not (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234").exists()  # cleaned up
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_tinystories_loss_falls_and_writes_the_run_folder(tmp_path):
+    run = tmp_path / "stories"
+    r = subprocess.run([sys.executable, "-m", "scripts.run_tinystories", "--depth=2", "--steps=80",
+                        "--sequence-len=64", "--vocab-size=512", "--device-batch-size=4", "--total-batch-size=512",
+                        "--eval-every=40", "--eval-tokens=4096", "--sample-every=0", "--save-every=40", "--log-every=10",
+                        "--max-chars-tokenizer=2000000", f"--run-dir={run}"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=550)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    for word in ("data: built-in procedural stories", "tok/s", "mfu", "eta", "val bpb", "sampled stories"):
+        assert word in out, word
+    entries = [json.loads(l) for l in open(run / "metrics.jsonl")]
+    losses = [e["loss"] for e in entries if e["kind"] == "train"]
+    assert losses[-1] < losses[0] - 1.5, losses
+    bpb = [e["val_bpb"] for e in entries if e["kind"] == "val"]
+    assert len(bpb) == 2 and bpb[1] < bpb[0]
+    for name in ("report.md", "loss.png", "samples.txt", "config.json", "COMPLETE"):
+        assert (run / name).exists(), name
+    assert open(run / "loss.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "![loss](loss.png)" in (run / "report.md").read_text()
+    assert len((run / "samples.txt").read_text().split()) > 20
+
+
+def _main(argv, capsys):
+    from scripts import pretrain
+    code = cli_main(pretrain.main, argv)
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--depth=0", "--steps=1"], "--depth must be at least 1"),
+    (["--window-pattern=SXL", "--steps=1"], "window pattern"),
+    (["--optimizer=sgd"], "--optimizer must be"),
+    (["--data=/no/such/place/*.txt", "--steps=1"], "/no/such/place"),
+])
+def test_bad_input_is_one_sentence_and_nonzero(argv, words, capsys, tmp_path):
+    code, cap = _main([*argv, f"--run-dir={tmp_path / 'r'}"], capsys)
+    assert code == 2
+    assert words in cap.err
+    assert "Traceback" not in cap.err and len(cap.err.strip().splitlines()) == 1
+
+
+def test_empty_corpus_is_refused(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    code, cap = _main([f"--data={tmp_path / 'empty.txt'}", "--steps=1", f"--run-dir={tmp_path / 'r'}"], capsys)
+    assert code == 2 and "empty" in cap.err
+
+
+def test_corrupt_checkpoint_is_reported_and_kept(capsys, tmp_path, tokenizer_dir):
+    run = tmp_path / "r"
+    step_dir = run / "checkpoints" / "5"
+    (step_dir / "meta").mkdir(parents=True)
+    (step_dir / "meta" / "metadata").write_text("{not json")
+    (step_dir / "_CHECKPOINT_METADATA").write_text("{also broken")
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    code, cap = _main([*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=2", f"--run-dir={run}"], capsys)
+    assert code == 2, cap.err
+    assert "checkpoint" in cap.err and "--fresh" in cap.err
+    after = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    assert set(before) <= set(after)  # nothing the user had was removed
+    assert (step_dir / "meta" / "metadata").read_text() == "{not json"
