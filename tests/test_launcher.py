@@ -424,3 +424,61 @@ def test_launcher_imports_no_jax():
     code = ("import sys; from flaxchat.cloud import TPULauncher, TPUConfig; import flaxchat.cloud.launcher; "
             "assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# --- the pod rehearsal, end to end, with the real training ------------------------------------------------
+
+
+def _pretrain(run_dir, steps):
+    return (f"python -m scripts.pretrain --run-dir={run_dir} --depth=1 --steps={steps} --sequence-len=32 "
+            "--vocab-size=300 --device-batch-size=2 --eval-every=0 --sample-every=0 --save-every=20 "
+            "--log-every=10 --max-chars-tokenizer=20000 --num-samples=1 --seed=5")
+
+
+def _complete_steps(ckpt_dir):
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.exists(os.path.join(ckpt_dir, n, "_CHECKPOINT_METADATA")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pod_rehearsal_preempted_mid_training_recovers_to_the_same_parameters(pod):
+    """Create a 2-worker pod, set up, upload, run scripts.pretrain on both workers, preempt it mid-training
+    (SIGKILL everywhere, VM PREEMPTED), recover, finish: the final parameters equal an uninterrupted run's."""
+    from tests.test_multihost import compare_params, cpu_env, finish
+
+    steps = 300
+    run_dir = pod / "bucket" / "pod-run"
+    lc = launcher(pod, coordinator_port=_free_port())
+    lc.create()
+    lc.setup(REPO)  # the real repo: git ls-files of this checkout
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # 2 workers x 1 CPU device
+    cmd = _pretrain(run_dir, steps)
+    lc.run(cmd, env=env)
+    # Reference: one uninterrupted process over the same 2 devices, trained meanwhile.
+    ref_dir = pod / "reference"
+    ref = subprocess.Popen(_pretrain(ref_dir, steps).split(), cwd=REPO, env=cpu_env(2), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    ckpt = run_dir / "checkpoints"
+    until(lambda: _complete_steps(ckpt), timeout=240, what="the first checkpoint")
+    health = lc.health()
+    assert [w["worker"] for w in health["workers"]] == [0, 1] and all(w["alive"] for w in health["workers"]), health
+    seen = _complete_steps(ckpt)
+    assert not (run_dir / "COMPLETE").exists() and max(seen) < steps, "training ended before the preemption"
+    emulator.preempt(NAME, Z, P)
+    logs = []
+    lc.say = logs.append
+    result = lc.recover(cmd, env=env, local_repo_path=REPO, timeout=300,
+                        policy=rec.Policy(poll_s=1.0, backoff_s=1.0, heartbeat_deadline_s=240))
+    assert result.ok, "\n".join(logs)
+    assert "recreate: the VM is PREEMPTED" in "\n".join(logs)
+    lines = []
+    lc.logs(all_workers=True, lines=400, on_line=lines.append)
+    assert any(x.startswith("[w0] resumed from step") for x in lines), lines[-40:]
+    assert any(x.startswith("[w1] ") for x in lines)
+    assert json.load(open(run_dir / "COMPLETE"))["step"] == steps
+    final = _complete_steps(ckpt)
+    assert final[-1] == steps and all(s >= min(seen) for s in final)  # nothing older than the resume point lost
+    assert not [n for n in os.listdir(ckpt) if "tmp" in n]  # no half-written save left behind
+    finish(ref, 300)
+    assert "OK" in compare_params(run_dir, ref_dir, 2)
