@@ -1,0 +1,101 @@
+"""Command line of KaggleRunner: `python -m flaxchat.remote.kaggle URL --run CODE` (or `-m flaxchat.remote`).
+
+    python -m flaxchat.remote.kaggle URL --check-devices
+    python -m flaxchat.remote.kaggle URL --run "import sys; print(sys.version)"
+    python -m flaxchat.remote.kaggle URL --file train_snippet.py --timeout 600
+    python -m flaxchat.remote.kaggle URL --setup .        # upload + install this repo
+    python -m flaxchat.remote.kaggle URL --status | --wait | --stop [--restart | --shutdown]
+
+The token comes from --token or $KAGGLE_JUPYTER_TOKEN and is never printed; neither is the URL's
+path (Kaggle signs it). Exit status: 0 ok, 1 the remote code or job failed, 2 anything else wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from flaxchat.errors import UserError, cli_main
+from flaxchat.remote.base import RemoteError, RunResult
+
+
+class RemoteFailed(RemoteError):
+    """The code or job ran and failed: exit status 1, unlike a usage or connection problem (2)."""
+
+    exit_code = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse repeats unrecognised arguments verbatim, and one of them may be a token.
+        if message.startswith("unrecognized arguments"):
+            message = "unrecognized arguments (not shown: they may hold a secret)"
+        raise UserError(f"{message}; see --help.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from flaxchat.remote.kaggle import TOKEN_ENV
+    p = _Parser(prog="python -m flaxchat.remote.kaggle",
+                description="Run Python on a Kaggle notebook's kernel (or any Jupyter server) from here.")
+    p.add_argument("url", help="the server's URL; on Kaggle the Jupyter proxy URL ending in /proxy")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", metavar="CODE", help="execute this Python code on the kernel")
+    what.add_argument("--file", metavar="F", help="execute the Python code in file F on the kernel")
+    what.add_argument("--check-devices", action="store_true", help="print what JAX sees on the kernel's machine")
+    what.add_argument("--status", action="store_true", help="print the kernel's execution state")
+    what.add_argument("--stop", action="store_true", help="interrupt the running cell and end the training job")
+    what.add_argument("--setup", metavar="REPO", nargs="?", const=".", help="upload REPO (default .) and install it")
+    what.add_argument("--wait", action="store_true", help="follow the training job's log until it exits")
+    p.add_argument("--token", help=f"the server's token (default: ${TOKEN_ENV}); never printed")
+    p.add_argument("--timeout", type=float, help="seconds to allow for --run/--file/--wait (default: none)")
+    p.add_argument("--restart", action="store_true", help="with --stop: also restart the kernel")
+    p.add_argument("--shutdown", action="store_true", help="with --stop: also shut the kernel down")
+    p.add_argument("--no-deps", action="store_true", help="with --setup: do not install dependencies")
+    p.add_argument("--protocol", choices=["auto", "v1", "legacy"], default="auto",
+                   help="kernel WebSocket framing (default: auto)")
+    return p
+
+
+def _raise_if_failed(res: RunResult, what: str) -> None:
+    if not res.ok:
+        detail = f"{res.error_name}: {res.error_value}" if res.error_value else (res.error_name or res.state)
+        raise RemoteFailed(f"{what} failed ({detail.rstrip('.')}).")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from flaxchat.remote.kaggle import KaggleRunner
+    code = args.run
+    if args.file is not None:
+        try:
+            code = Path(args.file).read_text()
+        except OSError as e:
+            raise UserError(f"cannot read {args.file} ({e.strerror}); pass a readable Python file.") from None
+    runner = KaggleRunner(args.url, args.token, protocol=args.protocol)
+    try:
+        if code is not None:
+            _raise_if_failed(runner.run(code, timeout=args.timeout), "the remote code")
+        elif args.check_devices:
+            print(json.dumps(runner.check_devices()))
+        elif args.status:
+            st = runner.status()
+            print(f"{st.state}: {st.detail}")
+        elif args.stop:
+            runner.stop(restart=args.restart, shutdown=args.shutdown)
+            print(f"stopped: kernel {runner.kernel_id}" + (" restarted" if args.restart else "")
+                  + (" shut down" if args.shutdown else " interrupted"))
+        elif args.setup is not None:
+            info = runner.setup(args.setup, deps=not args.no_deps)
+            print(f"setup: {'installed' if info['changed'] else 'up to date'} ({info['files']} files)")
+        elif args.wait:
+            _raise_if_failed(runner.wait(timeout=args.timeout), "the job")
+    finally:
+        runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
