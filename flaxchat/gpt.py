@@ -76,10 +76,13 @@ class Attention(nnx.Module):
         k = ops.rms_norm(k) * QK_SCALE
         return q, k, v
 
-    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int):
+    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int, attend=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, idx, positions, rope_base)
-        y = ops.causal_attention(q, k, v, window=window, block=block)
+        if attend is None:
+            y = ops.causal_attention(q, k, v, window=window, block=block)
+        else:
+            y = attend(q, k, v, window)
         return self.c_proj(y.reshape(B, T, -1))
 
 
@@ -98,8 +101,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int):
-        x = x + self.attn(ops.rms_norm(x), idx, positions, window, rope_base, block)
+    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int, attend=None):
+        x = x + self.attn(ops.rms_norm(x), idx, positions, window, rope_base, block, attend)
         return x + self.mlp(ops.rms_norm(x))
 
 
@@ -145,21 +148,32 @@ class GPT(nnx.Module):
         cap = self.config.logit_softcap
         return cap * jnp.tanh(logits / cap)
 
-    def __call__(self, idx: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """idx (B, T) int32 -> logits (B, T, vocab_size) fp32."""
+    def __call__(self, idx: jax.Array, positions: jax.Array | None = None, *, attend=None,
+                 prev_embedding: jax.Array | None = None) -> jax.Array:
+        """idx (B, T) int32 -> logits (B, T, vocab_size) fp32.
+
+        Inference hooks (the Engine's KV cache): `positions` (T,) or (B, T) absolute positions for
+        the rotary embedding; `attend(layer, q, k, v, window) -> y` replaces the training attention
+        (q (B,T,H,D), k/v (B,T,Hkv,D), y (B,T,H,D)); `prev_embedding` is the normed embedding of the
+        token just before idx[:, 0], for smear when decoding one token at a time.
+        """
         cfg = self.config
         B, T = idx.shape
         if positions is None:
             positions = jnp.arange(T, dtype=jnp.int32)
-        x = self.embed(idx)
+        x = self.embed(idx, prev_embedding)
         x0 = x
         backout_layer = cfg.n_layer // 2
         x_backout = None
         windows = cfg.window_sizes()
         for i, block in enumerate(self.blocks):
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
-            call = _remat_block if cfg.grad_checkpoint else _call_block
-            x = call(block, x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block)
+            if attend is not None:
+                layer_attend = lambda q, k, v, w, i=i: attend(i, q, k, v, w)
+                x = block(x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block, layer_attend)
+            else:
+                call = _remat_block if cfg.grad_checkpoint else _call_block
+                x = call(block, x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block)
             if i == backout_layer:
                 x_backout = x
         if x_backout is not None:
