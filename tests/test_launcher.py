@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -457,7 +456,7 @@ def test_pod_rehearsal_preempted_mid_training_recovers_to_the_same_parameters(po
     lc.run(cmd, env=env)
     # Reference: one uninterrupted process over the same 2 devices, trained meanwhile.
     ref_dir = pod / "reference"
-    ref = subprocess.Popen(_pretrain(ref_dir, steps).split(), cwd=REPO, env=cpu_env(2), stdout=subprocess.PIPE,
+    ref = subprocess.Popen([sys.executable, *_pretrain(ref_dir, steps).split()[1:]], cwd=REPO, env=cpu_env(2), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     ckpt = run_dir / "checkpoints"
     until(lambda: _complete_steps(ckpt), timeout=240, what="the first checkpoint")

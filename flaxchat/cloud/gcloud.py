@@ -12,11 +12,13 @@ with `scp` and read by `flaxchat/cloud/worker.py` on each worker.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
-import re
 import shlex
 import subprocess
 import sys
+import tarfile
 from typing import Callable, Mapping, Sequence
 
 from flaxchat.errors import UserError
@@ -183,6 +185,48 @@ def worker_env(coordinator_ip: str, num_processes: int, env: Mapping[str, str] |
     return {"env": merged, "secret_keys": sorted(secrets or {})}
 
 
+# --- the upload and what the workers print ------------------------------------------------------------
+
+
+def repo_files(root: str) -> list[str]:
+    """Files to upload: `git ls-files` (tracked + untracked not ignored), so .gitignore is honoured."""
+    try:
+        out = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, check=True).stdout.decode()
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", "__pycache__", ".venv", "runs", ".pytest_cache"}
+        files = [os.path.relpath(os.path.join(d, f), root) for d, dirs, fs in os.walk(root)
+                 for f in fs if not dirs.__setitem__(slice(None), [x for x in dirs if x not in skip])]
+    return sorted(f for f in set(files) if os.path.isfile(os.path.join(root, f)))
+
+
+def make_tarball(root: str, dest: str, extra: str = "") -> str:
+    """Pack the repo into dest; return a hash of the contents (+ extra) that ignores mtimes."""
+    h = hashlib.sha256(extra.encode())
+    with tarfile.open(dest, "w:gz") as tar:
+        for rel in repo_files(root):
+            path = os.path.join(root, rel)
+            with open(path, "rb") as f:
+                h.update(rel.encode() + b"\0" + f.read())
+            tar.add(path, arcname=rel)
+    return h.hexdigest()[:16]
+
+
+def parse_worker_lines(stdout: str) -> dict[int, dict]:
+    """worker.py's `FLAXCHAT {json}` lines from a --worker=all ssh, by worker id."""
+    found = {}
+    for line in stdout.splitlines():
+        if line.startswith("FLAXCHAT {"):
+            try:
+                obj = json.loads(line[len("FLAXCHAT "):])
+            except ValueError:
+                continue
+            found[int(obj.get("worker", 0))] = obj
+    return found
+
+
+
 # --- the executor ---------------------------------------------------------------------------------
 
 
@@ -297,11 +341,3 @@ def default_env_with_path(prefix_dir: str, extra: Mapping[str, str] | None = Non
     env["PATH"] = prefix_dir + os.pathsep + env.get("PATH", "")
     env.update(extra or {})
     return env
-
-
-_SECRETISH = re.compile(r"(?i)(token|secret|password|key)")
-
-
-def looks_secret(name: str) -> bool:
-    """Env names that look like credentials are treated as secrets even when passed with --env."""
-    return bool(_SECRETISH.search(name))

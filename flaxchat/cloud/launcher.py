@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import uuid
@@ -113,86 +110,6 @@ def run_dir_of(command: str) -> str | None:
     return "runs/default" if "scripts.pretrain" in words else None  # pretrain's own default
 
 
-def repo_files(root: str) -> list[str]:
-    """Files to upload: `git ls-files` (tracked + untracked not ignored), so .gitignore is honoured."""
-    try:
-        out = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, check=True).stdout.decode()
-        files = [f for f in out.split("\0") if f]
-    except (OSError, subprocess.CalledProcessError):
-        skip = {".git", "__pycache__", ".venv", "runs", ".pytest_cache"}
-        files = [os.path.relpath(os.path.join(d, f), root) for d, dirs, fs in os.walk(root)
-                 for f in fs if not dirs.__setitem__(slice(None), [x for x in dirs if x not in skip])]
-    return sorted(f for f in set(files) if os.path.isfile(os.path.join(root, f)))
-
-
-def make_tarball(root: str, dest: str, extra: str = "") -> str:
-    """Pack the repo into dest; return a hash of the contents (+ extra) that ignores mtimes."""
-    h = hashlib.sha256(extra.encode())
-    with tarfile.open(dest, "w:gz") as tar:
-        for rel in repo_files(root):
-            path = os.path.join(root, rel)
-            with open(path, "rb") as f:
-                h.update(rel.encode() + b"\0" + f.read())
-            tar.add(path, arcname=rel)
-    return h.hexdigest()[:16]
-
-
-def parse_worker_lines(stdout: str) -> dict[int, dict]:
-    """worker.py's `FLAXCHAT {json}` lines from a --worker=all ssh, by worker id."""
-    found = {}
-    for line in stdout.splitlines():
-        if line.startswith("FLAXCHAT {"):
-            try:
-                obj = json.loads(line[len("FLAXCHAT "):])
-            except ValueError:
-                continue
-            found[int(obj.get("worker", 0))] = obj
-    return found
-
-
-def _age(seconds) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
-
-
-def format_health(report: dict) -> str:
-    """The health report as a table, one row per worker, then one line per problem."""
-    lines = [f"TPU VM {report['vm']} ({report['accelerator']}, {report['zone']}): {report['state']}"]
-    if report["workers"]:
-        lines.append(f"{'worker':<7}{'process':<10}{'exit':<6}{'step':<13}{'loss':<9}{'tok/s':<11}"
-                     f"{'heartbeat':<11}{'disk':<7}last line")
-    for w in report["workers"]:
-        if not w.get("reachable", True):
-            lines.append(f"{w['worker']:<7}unreachable")
-            continue
-        step = f"{w['step']}/{w['steps'] or '?'}" if w.get("step") is not None else "-"
-        loss = f"{w['loss']:.4f}" if w.get("loss") is not None else "-"
-        toks = f"{w['tok_s']:,.0f}" if w.get("tok_s") is not None else "-"
-        code = "-" if w.get("exit_code") is None else str(w["exit_code"])
-        lines.append(f"{w['worker']:<7}{w['state']:<10}{code:<6}{step:<13}{loss:<9}{toks:<11}"
-                     f"{_age(w.get('heartbeat_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
-                     f"{(w.get('last_line') or '')[:80]}")
-    lines += [f"problem: {p}" for p in report["problems"]]
-    return "\n".join(lines)
-
-
-def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[str]:
-    problems = [] if state == "READY" else [f"the VM is {state}"]
-    for w in workers:
-        i = w["worker"]
-        if not w.get("reachable", True):
-            problems.append(f"worker {i} does not answer ssh")
-        elif w["state"] == "exited" and w["exit_code"] != 0:
-            problems.append(f"worker {i} crashed (exit {w['exit_code']}): {w.get('last_line', '')}")
-        elif w["state"] == "killed":
-            problems.append(f"worker {i}'s process was killed (no exit code): {w.get('last_line', '')}")
-        elif w["state"] == "running" and (w.get("heartbeat_age") or 0) > deadline_s:
-            problems.append(f"worker {i} has printed nothing for {_age(w['heartbeat_age'])} (hung?)")
-    return problems
-
-
 class TPULauncher(RemoteRunner):
     """A TPU VM (one worker) or pod slice (many), driven through gcloud. See the module docstring."""
 
@@ -212,8 +129,8 @@ class TPULauncher(RemoteRunner):
         if self.config.backend != "local":
             return g.GcloudExecutor()
         from flaxchat.cloud import emulator  # the local backend only: the emulator and its shim
-        edir = os.path.expanduser(self.config.emulator_dir or os.path.join("~", ".flaxchat", "emulator"))
-        os.environ.setdefault(emulator.STATE_ENV, edir)
+        edir = os.path.expanduser(self.config.emulator_dir or os.environ.get(emulator.STATE_ENV)
+                                  or os.path.join("~", ".flaxchat", "emulator"))
         bin_dir = os.path.dirname(emulator.install_shim(os.path.join(edir, "bin")))
         return g.GcloudExecutor(env=g.default_env_with_path(bin_dir, {emulator.STATE_ENV: edir}))
 
@@ -345,12 +262,12 @@ class TPULauncher(RemoteRunner):
         with tempfile.TemporaryDirectory() as tmp:
             tarball = os.path.join(tmp, g.REMOTE_TARBALL)
             install = self.config.install_for(node)
-            digest = make_tarball(root, tarball, extra=install)
+            digest = g.make_tarball(root, tarball, extra=install)
             have = self._ssh(g.setup_marker_command(), check=False, timeout=300).stdout.split()
             if have.count(digest) >= n:
                 self.say(f"setup is up to date on all {n} worker(s) ({digest})")
                 return
-            self.say(f"uploading {len(repo_files(root))} files to {n} worker(s)")
+            self.say(f"uploading {len(g.repo_files(root))} files to {n} worker(s)")
             self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
         self._ssh(g.unpack_command(), timeout=600)
         self.say(f"installing on {n} worker(s): {install}")
@@ -422,7 +339,7 @@ class TPULauncher(RemoteRunner):
     def _worker_status(self, n: int) -> list[dict | None]:
         marker = (self.remembered().get("run") or {}).get("marker")
         res = self._ssh(g.status_command(marker), check=False, timeout=300)
-        found = parse_worker_lines(res.stdout)
+        found = g.parse_worker_lines(res.stdout)
         return [found.get(i) for i in range(n)]
 
     def stop(self) -> None:
@@ -441,7 +358,7 @@ class TPULauncher(RemoteRunner):
                 workers.append({**w, "reachable": True} if w else {"worker": i, "reachable": False})
         deadline = rec.Policy().heartbeat_deadline_s
         return {"vm": c.tpu_name, "zone": c.zone, "accelerator": c.accelerator_type, "state": state,
-                "workers": workers, "problems": health_problems(state, workers, deadline)}
+                "workers": workers, "problems": rec.health_problems(state, workers, deadline)}
 
     def status(self) -> RunStatus:
         h = self.health()
@@ -459,7 +376,7 @@ class TPULauncher(RemoteRunner):
         bad = [w for w in workers if not w.get("reachable", True) or w.get("state") == "killed"
                or (w.get("state") == "exited" and w.get("exit_code") != 0)]
         if bad:
-            return "failed", health_problems("READY", bad, float("inf"))[0]
+            return "failed", rec.health_problems("READY", bad, float("inf"))[0]
         if (self.remembered().get("run") or {}).get("marker") and not workers[0].get("complete"):
             return "failed", "every worker exited 0 but the training's completion marker is missing"
         return "done", "finished"
@@ -505,7 +422,7 @@ class TPULauncher(RemoteRunner):
             raise UserError("a run is going; checking devices now would compete with it for the TPU.")
         self._write_env(node, (self.remembered().get("run") or {}).get("env"), None)
         res = self._ssh(g.probe_command(), check=False, timeout=600)
-        found = parse_worker_lines(res.stdout)
+        found = g.parse_worker_lines(res.stdout)
         if 0 not in found:
             raise RemoteError(f"worker 0 did not report its devices: {g.one_line(res.stderr + res.stdout)}")
         check_process_count(n, found[0]["process_count"], self.config.accelerator_type)
@@ -520,7 +437,7 @@ class TPULauncher(RemoteRunner):
             raise UserError("no run folder is known; pass run_dir= (the --run-dir of the training).")
         ckpt = run_dir.rstrip("/") + "/checkpoints"
         self._ready_node()
-        found = parse_worker_lines(self._ssh(g.checkpoints_command(ckpt), worker=0, timeout=300).stdout).get(0, {})
+        found = g.parse_worker_lines(self._ssh(g.checkpoints_command(ckpt), worker=0, timeout=300).stdout).get(0, {})
         complete = found.get("complete", [])
         if not complete or (step is not None and step not in complete):
             raise UserError(f"no complete checkpoint{f' at step {step}' if step is not None else ''} in {ckpt} "
@@ -736,7 +653,7 @@ def main(argv=None) -> int:
             launcher.say("detached from the log; the training goes on (--logs to follow again)")
     if args.health:
         report = launcher.health()
-        print(format_health(report), flush=True)
+        print(rec.format_health(report), flush=True)
         code = code or (1 if report["problems"] else 0)
     if args.wait:
         result = launcher.wait(timeout=args.timeout)

@@ -209,3 +209,48 @@ def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: P
         except RemoteError as e:
             log(f"[recover +{clock() - t0:.0f}s] {decision.action.value} failed: {e}")
         sleep(policy.poll_s)
+
+
+# --- the health report (what --health prints) --------------------------------------------------------
+
+
+def _age(seconds) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def format_health(report: dict) -> str:
+    """The health report as a table, one row per worker, then one line per problem."""
+    lines = [f"TPU VM {report['vm']} ({report['accelerator']}, {report['zone']}): {report['state']}"]
+    if report["workers"]:
+        lines.append(f"{'worker':<7}{'process':<10}{'exit':<6}{'step':<13}{'loss':<9}{'tok/s':<11}"
+                     f"{'heartbeat':<11}{'disk':<7}last line")
+    for w in report["workers"]:
+        if not w.get("reachable", True):
+            lines.append(f"{w['worker']:<7}unreachable")
+            continue
+        step = f"{w['step']}/{w['steps'] or '?'}" if w.get("step") is not None else "-"
+        loss = f"{w['loss']:.4f}" if w.get("loss") is not None else "-"
+        toks = f"{w['tok_s']:,.0f}" if w.get("tok_s") is not None else "-"
+        code = "-" if w.get("exit_code") is None else str(w["exit_code"])
+        lines.append(f"{w['worker']:<7}{w['state']:<10}{code:<6}{step:<13}{loss:<9}{toks:<11}"
+                     f"{_age(w.get('heartbeat_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
+                     f"{(w.get('last_line') or '')[:80]}")
+    lines += [f"problem: {p}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[str]:
+    problems = [] if state == "READY" else [f"the VM is {state}"]
+    for w in workers:
+        i = w["worker"]
+        if not w.get("reachable", True):
+            problems.append(f"worker {i} does not answer ssh")
+        elif w["state"] == "exited" and w["exit_code"] != 0:
+            problems.append(f"worker {i} crashed (exit {w['exit_code']}): {w.get('last_line', '')}")
+        elif w["state"] == "killed":
+            problems.append(f"worker {i}'s process was killed (no exit code): {w.get('last_line', '')}")
+        elif w["state"] == "running" and (w.get("heartbeat_age") or 0) > deadline_s:
+            problems.append(f"worker {i} has printed nothing for {_age(w['heartbeat_age'])} (hung?)")
+    return problems
