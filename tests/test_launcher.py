@@ -393,6 +393,14 @@ def test_missing_gcloud_says_how_to_install(shared_env, capsys, monkeypatch):
     assert code != 0 and "install the Google Cloud SDK" in err
 
 
+@pytest.mark.timeout(60)
+def test_run_or_health_before_setup_says_so(shared_env, capsys):
+    launcher(shared_env, name="bare", accel="v4-8").create()
+    for action in (["--health"], ["--run", "echo hi"]):
+        code, _, err = cli(capsys, f"--project={P}", "--tpu-name=bare", f"--zone={Z}", *action)
+        assert code != 0 and "flaxchat is not set up on TPU VM bare; run --setup --upload=. first." in err
+
+
 def test_dry_run_prints_the_commands_and_changes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLAXCHAT_LAUNCHER_STATE", str(tmp_path / "launcher.json"))
     monkeypatch.setenv("PATH", str(tmp_path / "no-gcloud-here"))  # nothing may run

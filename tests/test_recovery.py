@@ -199,3 +199,21 @@ def test_loop_timeout_is_a_give_up():
     clock = FakeClock()
     d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None, timeout=300)
     assert d.action is Action.GIVE_UP and "timed out" in d.reason and clock.t <= 400
+
+
+def test_loop_survives_transient_observe_errors_but_not_endless_ones():
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise RemoteError("gcloud said: UNAVAILABLE")
+        return obs(alive(), alive(), complete=True)
+    clock, logs = FakeClock(), []
+    assert recover_loop(flaky, FakePod([obs()]), P, clock=clock, sleep=clock.sleep, log=logs.append).action is Action.DONE
+    assert sum("could not look at the VM" in line for line in logs) == 2
+
+    def broken():
+        raise RemoteError("gcloud said: PERMISSION_DENIED")
+    d = recover_loop(broken, FakePod([obs()]), P, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert d.action is Action.GIVE_UP and "PERMISSION_DENIED" in d.reason

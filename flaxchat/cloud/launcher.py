@@ -339,6 +339,8 @@ class TPULauncher(RemoteRunner):
     def _worker_status(self, n: int) -> list[dict | None]:
         marker = (self.remembered().get("run") or {}).get("marker")
         res = self._ssh(g.status_command(marker), check=False, timeout=300)
+        if "can't open file" in res.stderr + res.stdout:
+            raise RemoteError(f"flaxchat is not set up on TPU VM {self.config.tpu_name}; run --setup --upload=. first.")
         found = g.parse_worker_lines(res.stdout)
         return [found.get(i) for i in range(n)]
 

@@ -83,6 +83,7 @@ class Policy:
     max_backoff_s: float = 600.0
     heartbeat_deadline_s: float = 1800.0  # silent this long while alive = hung (compiles can take minutes)
     unreachable_polls: int = 3
+    max_observe_failures: int = 10  # consecutive polls that could not even look (gcloud errors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +187,18 @@ def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: P
     its attempt still counts against the budget.
     """
     t0 = clock()
-    counters, last = Counters(), None
+    counters, last, failures = Counters(), None, 0
     while True:
-        obs = observe()
+        try:
+            obs = observe()
+            failures = 0
+        except RemoteError as e:  # a transient gcloud/network error must not end a week-long watch
+            failures += 1
+            log(f"[recover +{clock() - t0:.0f}s] could not look at the VM ({failures}/{policy.max_observe_failures}): {e}")
+            if failures >= policy.max_observe_failures:
+                return Decision(Action.GIVE_UP, f"the VM could not be observed {failures} times in a row: {e}")
+            sleep(policy.poll_s)
+            continue
         decision = decide(obs, counters, policy)
         if timeout is not None and clock() - t0 > timeout and decision.action not in (Action.DONE, Action.GIVE_UP):
             decision = Decision(Action.GIVE_UP, f"recovery timed out after {timeout:.0f} s")
