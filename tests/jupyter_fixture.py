@@ -1,7 +1,7 @@
 """A real Jupyter server on 127.0.0.1 for the remote-runner tests (the Kaggle stand-in).
 
-Everything it writes (runtime files, kernelspecs, IPython profile) lands in a temp folder, never
-in the home folder. Stop it with SIGTERM, which shuts its kernels down cleanly.
+Everything it writes (runtime files, kernelspecs, IPython profile, even what goes to $HOME) lands
+in a temp folder, never in the home folder. Stop it with SIGTERM, which shuts its kernels down cleanly.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class JupyterServer:
         env = dict(os.environ)
         env.update(JUPYTER_RUNTIME_DIR=str(self.base / "runtime"), JUPYTER_CONFIG_DIR=str(self.base / "config"),
                    JUPYTER_DATA_DIR=str(self.base / "data"), IPYTHONDIR=str(self.base / "ipython"),
-                   JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1", **self.extra_env)
+                   JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1", HOME=str(self.base / "home"),
+                   **self.extra_env)
         env.pop("JUPYTER_PATH", None)
         return env
 

@@ -238,7 +238,7 @@ def test_dropped_connection_with_another_client_reports_lost_output(runner, serv
     with KaggleRunner(server.url, TOKEN, kernel_id=runner.kernel_id) as r:
         r.run("pass", on_output=quiet)
         res = r.run(_effects_cell(side, 0.1, 0.0), on_output=_cut_socket_on_first_output(r, "line 0"), timeout=60)
-    assert not res.ok and res.error_name == "OutputLost" and "unknown outcome" in res.error_value
+    assert not res.ok and res.error_name == "OutputLost" and "outcome is unknown" in res.error_value
     assert side.read_text() == "start\nend\n"
 
 
@@ -303,6 +303,19 @@ def test_empty_token_server_and_no_permission_to_start(open_server):
             KaggleRunner(open_server.url).run("1")
     finally:
         open_server.deny_file.unlink()
+
+
+@pytest.mark.timeout(90)
+def test_empty_token_with_xsrf_checks_on(tmp_path):
+    srv = JupyterServer(tmp_path, token="").start()  # POST/PUT/DELETE need the XSRF double submit
+    try:
+        with KaggleRunner(srv.url) as r:
+            assert r.run("3 * 3", on_output=quiet).result == "9"  # the kernel was started with a POST
+            r.rest.upload("x/y.txt", b"up")
+            r.stop(shutdown=True)
+        assert srv.kernels() == [] and (srv.root / "x" / "y.txt").read_bytes() == b"up"
+    finally:
+        assert srv.stop() == []
 
 
 @pytest.mark.timeout(60)

@@ -53,9 +53,10 @@ class _ConnectionLost(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ServerAddress:
-    http: str  # REST base, no trailing slash: http(s)://host[:port][/prefix]
-    ws: str  # the same base as ws(s)://
-    token: str | None
+    # repr=False: the path of a Kaggle URL is a signed credential, like the token.
+    http: str = dataclasses.field(repr=False)  # REST base, no trailing slash: http(s)://host[:port][/prefix]
+    ws: str = dataclasses.field(repr=False)  # the same base as ws(s)://
+    token: str | None = dataclasses.field(repr=False)
     kernel_id: str | None  # set when the URL named a kernel (a copied ".../channels" URL)
 
     @property
@@ -163,6 +164,11 @@ class JupyterREST:
         self.session = requests.Session()
         if address.token:
             self.session.headers["Authorization"] = f"token {address.token}"
+        # Without a token the server wants XSRF protection on POST/PUT/DELETE: tornado compares the
+        # _xsrf cookie with the X-XSRFToken header, so a random value sent as both passes.
+        xsrf = uuid.uuid4().hex
+        self.session.cookies.set("_xsrf", xsrf)
+        self.session.headers["X-XSRFToken"] = xsrf
 
     def request(self, method: str, path: str, *, what: str, ok=(200, 201, 204), **kw) -> requests.Response:
         url = f"{self.address.http}/{path.lstrip('/')}"
@@ -552,49 +558,47 @@ def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: fl
 def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline: float | None,
             reattached: bool) -> tuple[str, str] | None:
     """Read messages until the cell is finished; return a (name, value) failure or None."""
-    quiet_since = time.monotonic()
-    if reattached:
-        ex.seen_at = quiet_since  # give the server's replay a moment before asking REST
+    heard = ex.seen_at = time.monotonic()
     while not ex.done:
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             return ("RemoteTimeout", "")
+        # After a reattach without a server-side buffer (another client was connected), the shell
+        # reply went to the dropped socket while iopub (a broadcast) still reached us: idle suffices.
+        if reattached and ex.idle_at is not None and now - ex.idle_at > 2:
+            ex.reply = {"status": "error" if ex.error else "ok"}
+            break
         try:
             msg = conn.recv(1.0 if deadline is None else min(1.0, deadline - now))
         except _ConnectionLost:
             _notice("the connection to the kernel dropped; reattaching to the running code")
             conn.reconnect(rest, deadline)
             _notice("reattached (output printed at the moment of the drop may be missing)")
-            reattached = True
-            quiet_since = ex.seen_at = time.monotonic()
+            reattached, heard, ex.seen_at = True, time.monotonic(), time.monotonic()
             continue
-        if msg is None:
-            if time.monotonic() - quiet_since > 30:
-                conn.ping()
-                quiet_since = time.monotonic()
-            if reattached and _lost_tail(rest, conn, ex):
-                if ex.error is None and ex.result is None:
-                    return ("OutputLost", "the connection dropped and the end of the output was lost; the kernel "
-                            "is idle again, so the code has finished (or never arrived), with an unknown outcome")
-                # An error, or the last expression's value, is the cell's last word: its outcome is known.
-                ex.reply, ex.idle_at = {"status": "error" if ex.error else "ok"}, time.monotonic()
+        if msg is not None:
+            heard = time.monotonic()
+            ex.handle(msg)
+            if ex.died:
+                return ("DeadKernel", f"the kernel died while running the code (server status: {ex.died}); "
+                        "everything in its memory is lost")
             continue
-        quiet_since = time.monotonic()
-        ex.handle(msg)
-        if ex.died:
-            return ("DeadKernel", f"the kernel died while running the code (server status: {ex.died}); "
-                    "everything in its memory is lost")
-        # After a reattach without a server-side buffer (another client was connected), the shell
-        # reply went to the dropped socket while iopub (a broadcast) still reached us: idle suffices.
-        if reattached and ex.reply is None and ex.idle_at is not None and time.monotonic() - ex.idle_at > 2:
-            ex.reply = {"status": "error" if ex.error else "ok"}
+        if now - heard > 30:  # proxies (Kaggle's included) drop WebSockets that stay silent too long
+            conn.ping()
+            heard = now
+        if _kernel_idle_without_us(rest, conn, ex, quiet=5 if reattached else 30):
+            if ex.error is None and ex.result is None:
+                return ("OutputLost", "the kernel is idle again but the end of this code's output never arrived "
+                        "(the connection dropped, or the server lost it), so its outcome is unknown")
+            # An error, or the last expression's value, is the cell's last word: the outcome is known.
+            ex.reply, ex.idle_at = {"status": "error" if ex.error else "ok"}, now
     return None
 
 
-def _lost_tail(rest: JupyterREST, conn: KernelConnection, ex: _Execution) -> bool:
-    """After a reattach: has the kernel gone idle while our messages never came back?"""
-    last = ex.seen_at or 0.0
-    if time.monotonic() - last < 5:
+def _kernel_idle_without_us(rest: JupyterREST, conn: KernelConnection, ex: _Execution, quiet: float) -> bool:
+    """Has nothing of ours come for `quiet` seconds while the kernel (per REST) is idle? This bounds
+    the wait for messages that can no longer come, without ever sending the code again."""
+    if time.monotonic() - (ex.seen_at or 0.0) < quiet:
         return False
     try:
         state = rest.kernel(conn.kernel_id).get("execution_state")
@@ -602,10 +606,10 @@ def _lost_tail(rest: JupyterREST, conn: KernelConnection, ex: _Execution) -> boo
         raise
     except RemoteError:
         return False
-    if state not in ("idle", "starting"):
-        ex.seen_at = time.monotonic() - 4  # busy: look again in a second
-        return False
-    return True
+    if state in ("idle", "starting"):
+        return True
+    ex.seen_at = time.monotonic()  # busy (our code, or a queue before it): look again later
+    return False
 
 
 def _after_timeout(conn: KernelConnection, rest: JupyterREST, ex: _Execution, timeout: float | None,
