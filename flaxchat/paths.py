@@ -1,0 +1,207 @@
+"""One filesystem layer for every file flaxchat reads or writes: local paths and `gs://` (any fsspec URL).
+
+    open_file(path, mode)     a file object (context manager), local or remote
+    exists / isdir            True or False; a remote error other than "not found" is a UserError
+    listdir(path, recursive)  sorted full paths of the files in a folder
+    glob(pattern)             sorted full paths matching a pattern (`**` crosses folders)
+    makedirs(path)            a folder (a no-op on object stores, which have no folders)
+    join(base, *parts)        `os.path.join` for local paths, `/`-joined for URLs
+    is_remote(path)           True for `scheme://...` other than `file://`
+
+Local paths go straight to the OS (the fast path and the one the tests use); URLs go through fsspec,
+which finds the implementation by scheme: `gs://` needs the `gcsfs` package. Remote listing and
+connecting run under a time limit, because a machine without network or credentials can otherwise
+wait for minutes (google-auth probes the GCE metadata server, gcsfs retries with back-off) before it
+says anything. A missing package, missing credentials, or no answer all become one-sentence
+`UserError`s. Orbax writes checkpoints to `gs://` natively; this module is for everything else
+(config JSON, metrics, reports, data shards).
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+import threading
+from typing import Callable, TypeVar
+
+from flaxchat.errors import UserError
+
+T = TypeVar("T")
+
+# Seconds a remote connect or listing may take before we give up with a message. google-auth alone
+# can spend 3 x 3 s probing a metadata server that is not there; 60 s leaves room for a slow bucket.
+REMOTE_TIMEOUT_S = 60.0
+
+_INSTALL = {"gs": "pip install gcsfs", "gcs": "pip install gcsfs", "s3": "pip install s3fs",
+            "hf": "pip install huggingface_hub"}
+_GCS_AUTH = ("run `gcloud auth application-default login` or point GOOGLE_APPLICATION_CREDENTIALS "
+             "at a service-account key")
+_filesystems: dict[str, object] = {}  # protocol -> connected fsspec filesystem, one per process
+_lock = threading.Lock()
+
+
+def scheme(path: str) -> str:
+    """'gs' for 'gs://bucket/x', '' for a local path (and for 'file://...')."""
+    head, sep, _ = str(path).partition("://")
+    if not sep or "/" in head or head == "file":
+        return ""
+    return head.lower()
+
+
+def is_remote(path: str) -> bool:
+    return scheme(path) != ""
+
+
+def _local(path: str) -> str:
+    path = str(path)
+    return os.path.expanduser(path[len("file://"):] if path.startswith("file://") else path)
+
+
+def join(base: str, *parts: str) -> str:
+    if is_remote(base):
+        return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
+    return os.path.join(base, *parts)
+
+
+# --- remote filesystems ----------------------------------------------------------------------------
+
+
+def bounded(fn: Callable[[], T], what: str, timeout: float | None = None) -> T:
+    """`fn()` on a daemon thread; a UserError if it has not returned after `timeout` seconds.
+    The thread is abandoned, not killed (Python cannot); it holds no lock of ours."""
+    timeout = REMOTE_TIMEOUT_S if timeout is None else timeout
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True, name=f"flaxchat-remote {what[:40]}")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise UserError(f"{what} got no answer within {timeout:g} s; check the network and the credentials")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _connect(protocol: str):
+    """Instantiate the fsspec filesystem for `protocol` and check that it has credentials."""
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        hint = _INSTALL.get(protocol, "install the fsspec implementation for it")
+        raise UserError(f"reading or writing {protocol}:// paths needs an extra package ({hint})"
+                        + (f" and Google Cloud credentials ({_GCS_AUTH})" if protocol in ("gs", "gcs") else "")
+                        ) from None
+    except ValueError:
+        raise UserError(f"'{protocol}://' is not a storage scheme fsspec knows; use a local path or gs://") from None
+    fs = cls()
+    # gcsfs tries default credentials, a token cache and the metadata server, then silently falls
+    # back to anonymous access, which fails later with an opaque 401 on the first private read.
+    creds = getattr(fs, "credentials", None)
+    if protocol in ("gs", "gcs") and getattr(creds, "method", None) == "anon":
+        raise UserError(f"gcsfs found no Google Cloud credentials for {protocol}:// paths; {_GCS_AUTH}")
+    return fs
+
+
+def filesystem(path: str):
+    """(fsspec filesystem, path inside it) for a URL; connects once per scheme, under the time limit."""
+    protocol = scheme(path)
+    if not protocol:
+        raise ValueError(f"{path} is a local path")
+    with _lock:
+        fs = _filesystems.get(protocol)
+    if fs is None:
+        fs = bounded(lambda: _connect(protocol), f"connecting to {protocol}://")
+        with _lock:
+            fs = _filesystems.setdefault(protocol, fs)
+    return fs, str(path).split("://", 1)[1]
+
+
+def _url(protocol: str, inner: str) -> str:
+    # fsspec returns paths without the scheme (gcsfs: 'bucket/x'; the memory fs: '/bucket/x').
+    return f"{protocol}://{inner.lstrip('/')}"
+
+
+def _remote(path: str, what: str, fn: Callable):
+    """Run `fn(fs, inner_path)` under the time limit, turning storage errors into one sentence."""
+    fs, inner = filesystem(path)
+
+    def call():
+        try:
+            return fn(fs, inner)
+        except FileNotFoundError:
+            raise
+        except UserError:
+            raise
+        except Exception as e:  # permission, auth and transport errors read the same to a user
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            raise UserError(f"cannot {what} {path} ({type(e).__name__}: {first}); check the path and "
+                            "that your credentials may read it") from None
+
+    return bounded(call, f"{what} {path}")
+
+
+# --- the operations --------------------------------------------------------------------------------
+
+
+def open_file(path: str, mode: str = "rb", **kwargs):
+    """A file object for `path`; use it as a context manager. Remote writes appear on close."""
+    if not is_remote(path):
+        return open(_local(path), mode, **kwargs)
+    fs, inner = filesystem(path)
+    return fs.open(inner, mode, **kwargs)
+
+
+def exists(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.exists(_local(path))
+    return _remote(path, "check", lambda fs, p: fs.exists(p))
+
+
+def isdir(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.isdir(_local(path))
+    return _remote(path, "check", lambda fs, p: fs.isdir(p))
+
+
+def listdir(path: str, recursive: bool = False) -> list[str]:
+    """Sorted full paths of the files directly in folder `path` (all below it if `recursive`)."""
+    if not is_remote(path):
+        root = _local(path)
+        if recursive:
+            found = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+        else:
+            found = [os.path.join(root, f) for f in os.listdir(root)]
+        return sorted(p for p in found if os.path.isfile(p))
+    protocol = scheme(path)
+
+    def ls(fs, p):
+        if recursive:
+            return fs.find(p)
+        return [e["name"] for e in fs.ls(p, detail=True) if e.get("type") == "file"]
+
+    return sorted(_url(protocol, p) for p in _remote(path, "list", ls))
+
+
+def glob(pattern: str) -> list[str]:
+    """Sorted full paths matching `pattern`; `**` matches any number of folders."""
+    if not is_remote(pattern):
+        return sorted(_glob.glob(_local(pattern), recursive=True))
+    protocol = scheme(pattern)
+    return sorted(_url(protocol, p) for p in _remote(pattern, "list", lambda fs, p: fs.glob(p)))
+
+
+def makedirs(path: str) -> None:
+    """Create folder `path` and its parents. Object stores have no folders (a 'folder' is a name
+    prefix that exists once a file is written under it), so for URLs there is nothing to do."""
+    if not is_remote(path):
+        os.makedirs(_local(path), exist_ok=True)
+    else:
+        filesystem(path)  # still connect, so that missing credentials show before any work is done
