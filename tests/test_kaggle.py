@@ -255,9 +255,15 @@ def test_both_websocket_framings(server, protocol):
 def test_kernel_death_mid_cell_is_one_clear_failure(server):
     with KaggleRunner(server.url, TOKEN, new_kernel=True) as r:
         r.run("pass", on_output=quiet)
-        res = r.run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout=30, on_output=quiet)
-        assert not res.ok and res.error_name == "DeadKernel" and "died" in res.error_value
-        server.shutdown_kernel(r.kernel_id)
+        try:
+            res = r.run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout=30, on_output=quiet)
+            assert not res.ok and res.error_name == "DeadKernel" and "died" in res.error_value
+            # The server restarted it: the next request runs there, not blamed for the old news.
+            assert r.run("x = 1; print('alive')", timeout=30, on_output=quiet).stdout == "alive\n"
+            r.stop(restart=True)
+            assert r.run("print('x' in globals())", timeout=30, on_output=quiet).stdout == "False\n"
+        finally:
+            server.shutdown_kernel(r.kernel_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,15 +311,13 @@ def test_empty_token_server_and_no_permission_to_start(open_server):
         open_server.deny_file.unlink()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
 def test_empty_token_with_xsrf_checks_on(tmp_path):
     srv = JupyterServer(tmp_path, token="").start()  # POST/PUT/DELETE need the XSRF double submit
     try:
-        with KaggleRunner(srv.url) as r:
-            assert r.run("3 * 3", on_output=quiet).result == "9"  # the kernel was started with a POST
-            r.rest.upload("x/y.txt", b"up")
-            r.stop(shutdown=True)
-        assert srv.kernels() == [] and (srv.root / "x" / "y.txt").read_bytes() == b"up"
+        r = KaggleRunner(srv.url)
+        r.rest.upload("x/y.txt", b"up")  # PUTs (a folder, then the file) pass the XSRF check
+        assert (srv.root / "x" / "y.txt").read_bytes() == b"up"
     finally:
         assert srv.stop() == []
 

@@ -98,14 +98,8 @@ def parse_server_url(url: str, token: str | None = None) -> ServerAddress:
 
 
 def new_message(msg_type: str, content: dict, session: str, channel: str = "shell") -> dict:
-    header = {
-        "msg_id": uuid.uuid4().hex,
-        "msg_type": msg_type,
-        "username": "flaxchat",
-        "session": session,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "version": MSG_SPEC_VERSION,
-    }
+    header = {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "username": "flaxchat", "session": session,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": MSG_SPEC_VERSION}
     return {"header": header, "msg_id": header["msg_id"], "msg_type": msg_type, "parent_header": {},
             "metadata": {}, "content": content, "buffers": [], "channel": channel}
 
@@ -171,15 +165,13 @@ class JupyterREST:
         self.session.headers["X-XSRFToken"] = xsrf
 
     def request(self, method: str, path: str, *, what: str, ok=(200, 201, 204), **kw) -> requests.Response:
-        url = f"{self.address.http}/{path.lstrip('/')}"
+        timeout, stream = kw.pop("timeout", self.timeout), kw.pop("stream", False)
+        prepared = self.session.prepare_request(requests.Request(method, f"{self.address.http}/{path}", **kw))
+        prepared.url = _unshadow(prepared.url)
         # Only GETs are retried: a repeated POST could start a second kernel or append a chunk twice.
         tries = 1 + (self.get_retries if method == "GET" else 0)
         for attempt in range(tries):
             try:
-                timeout = kw.pop("timeout", self.timeout)
-                stream = kw.pop("stream", False)
-                prepared = self.session.prepare_request(requests.Request(method, url, **kw))
-                prepared.url = _unshadow(prepared.url)
                 resp = self.session.send(prepared, timeout=timeout, stream=stream)
                 break
             except (requests.ConnectionError, requests.Timeout) as e:
@@ -303,7 +295,7 @@ def _contents_path(path: str) -> str:
 # handlers instead of the Contents API (an Orbax run folder has `checkpoints/5`). Percent-encoding
 # its last letter hides it from the router (which matches the raw path) while the handler gets the
 # decoded path. requests undoes such escapes while preparing a URL, so this is applied afterwards.
-_SHADOWED = re.compile(r"(?<=/)(checkpoint|trus)([st])(?=/|$)")
+_SHADOWED = re.compile(r"(?<=/)(checkpoints|trust)(?=/|$)")
 
 
 def _unshadow(url: str) -> str:
@@ -311,12 +303,14 @@ def _unshadow(url: str) -> str:
     if not sep:
         return url
     path, q, query = rest.partition("?")
-    return head + sep + _SHADOWED.sub(lambda m: f"{m[1]}%{ord(m[2]):02X}", "/" + path)[1:] + q + query
+    path = _SHADOWED.sub(lambda m: f"{m[1][:-1]}%{ord(m[1][-1]):02X}", "/" + path)[1:]
+    return head + sep + path + q + query
 
 
 def _server_message(resp: requests.Response) -> str:
     try:
-        msg = resp.json().get("message") or resp.reason
+        body = resp.json()
+        msg = (body.get("message") if isinstance(body, dict) else None) or resp.reason
     except ValueError:
         msg = resp.reason
     return str(msg).rstrip(".")[:300]
@@ -414,7 +408,6 @@ class KernelConnection:
         return decode_legacy(data.decode() if opcode == websocket.ABNF.OPCODE_TEXT else data)
 
     def ping(self) -> None:
-        # Proxies (Kaggle's included) drop WebSockets that stay silent for a minute or so.
         try:
             if self.ws is not None:
                 self.ws.ping()
@@ -538,6 +531,9 @@ def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: fl
     msg = new_message("execute_request", content, conn.session_id)
     ex = _Execution(msg["msg_id"], on_output or print_output, echo_result)
     try:
+        _drain(conn)
+        if conn.ws is None:  # nothing was sent yet, so a plain reconnect is safe
+            conn.reconnect(rest, deadline)
         try:
             conn.send(msg)
             reattached = False
@@ -553,6 +549,22 @@ def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: fl
     if failure and failure[0] == "RemoteTimeout":
         failure = _after_timeout(conn, rest, ex, timeout, interrupt_on_timeout)
     return ex.to_result(time.monotonic() - t0, failure)
+
+
+def _drain(conn: KernelConnection, limit: int = 10_000) -> None:
+    """Read what arrived between requests (other clients' output, the server's notices), so that a
+    restart announced while we were idle is not blamed on the next request."""
+    for _ in range(limit):
+        try:
+            msg = conn.recv(0)
+        except _ConnectionLost:
+            conn.close()
+            return
+        if msg is None:
+            return
+        if msg.get("msg_type") == "status" and not msg.get("parent_header") and \
+                msg.get("content", {}).get("execution_state") in ("restarting", "dead", "autorestarting"):
+            _notice("the kernel restarted since the last request: its memory (variables, imports) is gone")
 
 
 def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline: float | None,
@@ -602,9 +614,9 @@ def _kernel_idle_without_us(rest: JupyterREST, conn: KernelConnection, ex: _Exec
         return False
     try:
         state = rest.kernel(conn.kernel_id).get("execution_state")
-    except KernelGone:
-        raise
-    except RemoteError:
+    except RemoteError as e:
+        if isinstance(e, KernelGone):
+            raise
         return False
     if state in ("idle", "starting"):
         return True

@@ -205,17 +205,18 @@ def _flaxchat_main(p):
                 return int(f.read().strip())
         except (OSError, ValueError):
             return None
-    code = exit_code()
+    code = exit_code()  # first: once it exists, the log is complete
     with open(os.path.join(p["path"], "log.txt"), "rb") as f:
         f.seek(p["offset"])
         data = f.read(p["max_bytes"])
+    more = len(data) == p["max_bytes"]
     alive = code is None and _flaxchat_alive(p["pid"])
-    if code is None and not alive:
-        code = exit_code()  # it may have ended between the two looks
-    if alive and len(data) < p["max_bytes"]:
+    if code is None and not alive:  # it ended after the log was read: read again for the tail
+        code, more = exit_code(), more or len(data) > 0
+    if alive and not more:
         data = data[:data.rfind(b"\\n") + 1]  # whole lines only while it still writes
     return {"text": data.decode("utf-8", "replace"), "offset": p["offset"] + len(data), "exit_code": code,
-            "alive": alive}
+            "alive": alive, "more": more}
 '''
 
 _K_KILL = _K_ALIVE + '''
@@ -409,7 +410,7 @@ class KaggleRunner(RemoteRunner):
         with self._lock:
             conn = self._connect()
             if env:
-                prelude = f"import os as _os; _os.environ.update({json.dumps(dict(env))})"
+                prelude = f"import os as _os; _os.environ.update({ {str(k): str(v) for k, v in env.items()}!r})"
                 execute(conn, self.rest, prelude, timeout=60, on_output=_discard, store_history=False).raise_for_error()
             return execute(conn, self.rest, what, timeout=timeout, on_output=on_output)
 
@@ -493,7 +494,7 @@ class KaggleRunner(RemoteRunner):
             self.close()
         elif restart:
             self.rest.restart(kid)
-            self._root = None
+            self.close()  # a fresh socket next time, without the restart notices of this one
 
     # background training -------------------------------------------------------------------
     def run_pipeline(self, depth: int = 8, steps: int = 5000, *, command: Sequence[str] | None = None,
@@ -538,22 +539,22 @@ class KaggleRunner(RemoteRunner):
                                 path=job.path, pid=job.pid, offset=job.offset, max_bytes=1 << 20)
             except RemoteConnectionError as e:
                 raise RemoteConnectionError(f"{e} The job keeps running on the kernel; call wait() again.") from None
-            job.offset = st["offset"]
+            job.offset, now = st["offset"], time.monotonic()
             if st["text"]:
                 out("stdout", st["text"])
                 log.append(st["text"])
-                last_news = time.monotonic()
+                last_news = now
+            if st["more"]:  # catching up with a long log: no pause
                 continue
             if st["exit_code"] is not None or not st["alive"]:
                 break
-            now = time.monotonic()
             if timeout is not None and now - t0 >= timeout:
                 raise RemoteTimeout(f"job {job.name} is still running after {timeout:g} s; call wait() again to "
                                     "keep following it, or stop() to end it.")
             if now - last_news > 60:  # a quiet job still shows it is alive
                 out("stderr", f"[flaxchat] {job.name} still running ({now - t0:.0f} s)\n")
                 last_news = now
-            time.sleep(poll_interval if timeout is None else max(0.0, min(poll_interval, timeout - (now - t0))))
+            time.sleep(poll_interval if timeout is None else max(0.0, min(poll_interval, t0 + timeout - now)))
         code = st["exit_code"]
         ok = code == 0
         why = None if ok else (f"exit code {code}; see {job.remote_dir}/log.txt" if code is not None
