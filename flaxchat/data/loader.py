@@ -9,9 +9,12 @@ rows get shorter relative to documents: on the built-in stories (~210 tokens per
 of 1000) about 3% of tokens at T=2048 and 13% at T=512 (`stats()` reports the exact fraction).
 
 Each process reads only its own documents (p, p+P, p+2P, ... for process p of P) and starts over
-at the end of the source (one more epoch). The state is the read cursor, the epoch and the buffered
-document *indices* (not tokens), a few KB of JSON; a restored loader re-tokenizes the buffer and
-then produces exactly the batches the uninterrupted loader would have.
+at the end of the source (one more epoch). A streaming source (parquet shards, see
+`flaxchat.data.shards`) is split by row group instead: process p reads units p, p+P, ..., and its
+cursor is (unit, row). The state is the read cursor, the epoch and the buffered document
+*indices* (not tokens), a few KB of JSON; a restored loader re-tokenizes the buffer and then
+produces exactly the batches the uninterrupted loader would have. `reshard_states` turns the
+states of P readers into states for another count (see its docstring for what that costs).
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ class PackingLoader:
             raise ValueError("batch_size, seq_len, buffer_docs and tokenize_batch must be positive")
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} is not in 0..{process_count - 1}")
+        self.streaming = is_streaming(source)
         n_docs = len(source)
         if n_docs <= process_index:
             raise UserError(f"the corpus {source.name} has {n_docs} documents, fewer than the "
                             f"{process_count} processes reading it; use a larger corpus")
+        if self.streaming and source.num_units <= process_index:
+            raise UserError(f"the corpus {source.name} has {source.num_units} parquet row groups, fewer than "
+                            f"the {process_count} readers; write the files with smaller row groups or use "
+                            "fewer devices")
         self.source, self.tokenizer = source, tokenizer
         self.batch_size, self.seq_len = batch_size, seq_len
         self.process_index, self.process_count = process_index, process_count
@@ -53,9 +61,9 @@ class PackingLoader:
             self.load_state_dict(state)
 
     def _reset(self) -> None:
-        self.cursor = self.process_index  # next document index this process reads
+        self.cursor = self._start()  # where this process reads next: a document or a (unit, row)
         self.epoch = 0
-        self._iter: Iterator[tuple[int, str]] | None = None
+        self._iter: Iterator[tuple[int, str, object]] | None = None
         # Pending documents sorted by (length, -order); order = arrival number, so among equal
         # lengths the oldest document is picked first.
         self._keys: list[tuple[int, int]] = []
@@ -65,13 +73,23 @@ class PackingLoader:
 
     # --- reading and tokenizing ----------------------------------------------------------------
 
+    def _start(self):
+        return (self.process_index, 0) if self.streaming else self.process_index
+
+    def _stream(self) -> Iterator[tuple[int, str, object]]:
+        """(document index, text, cursor after it) from the cursor to the end of the epoch."""
+        if self.streaming:
+            return self.source.iter_reader(self.process_index, self.process_count, *self.cursor)
+        step = self.process_count
+        return ((i, text, i + step) for i, text in self.source.iter_docs(self.cursor, step))
+
     def _next_texts(self) -> list[tuple[int, str]]:
         """The next `tokenize_batch` documents of this process's stream, wrapping at the end."""
         out: list[tuple[int, str]] = []
         wrapped_empty = False
         while len(out) < self.tokenize_batch:
             if self._iter is None:
-                self._iter = self.source.iter_docs(self.cursor, self.process_count)
+                self._iter = self._stream()
             item = next(self._iter, None)
             if item is None:
                 if wrapped_empty:
@@ -79,11 +97,11 @@ class PackingLoader:
                                     f"{self.process_index} of {self.process_count}")
                 wrapped_empty = True
                 self.epoch += 1
-                self.cursor, self._iter = self.process_index, None
+                self.cursor, self._iter = self._start(), None
                 continue
             wrapped_empty = False
-            out.append(item)
-            self.cursor = item[0] + self.process_count
+            out.append(item[:2])
+            self.cursor = item[2]
         return out
 
     def _add(self, items: list[tuple[int, str]]) -> None:
@@ -132,13 +150,21 @@ class PackingLoader:
     def state_dict(self) -> dict:
         """JSON-serializable state; buffered documents are stored as indices in arrival order."""
         buffered = [self._docs[order][0] for order in sorted(self._docs)]
-        return {"format": STATE_FORMAT, "source": self.source.name, "process_index": self.process_index,
-                "process_count": self.process_count, "cursor": self.cursor, "epoch": self.epoch,
+        return {"format": STATE_FORMAT, "kind": self.kind, "source": self.source.name,
+                "process_index": self.process_index, "process_count": self.process_count,
+                "cursor": list(self.cursor) if self.streaming else self.cursor, "epoch": self.epoch,
                 "buffer": buffered, "counts": dict(self._counts)}
+
+    @property
+    def kind(self) -> str:
+        return "stream" if self.streaming else "index"
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != STATE_FORMAT:
             raise UserError(f"the data loader state has format {state.get('format')}, expected {STATE_FORMAT}")
+        if state.get("kind", "index") != self.kind:
+            raise UserError(f"the data loader state was saved by the {state.get('kind', 'index')} reader, but "
+                            f"{self.source.name} is read by the {self.kind} reader; resume with the same data")
         if (state["process_index"], state["process_count"]) != (self.process_index, self.process_count):
             raise UserError(f"the data loader state belongs to process {state['process_index']} of "
                             f"{state['process_count']}, not {self.process_index} of {self.process_count}; "
@@ -147,11 +173,14 @@ class PackingLoader:
             raise UserError(f"the data loader state was saved for '{state['source']}', not "
                             f"'{self.source.name}'; resume with the same data")
         self._reset()
-        self.cursor, self.epoch = state["cursor"], state["epoch"]
+        self.cursor = tuple(state["cursor"]) if self.streaming else state["cursor"]
+        self.epoch = state["epoch"]
         buffered = state["buffer"]
+        # A streaming source fetches many documents at once, decoding each row group once.
+        fetch = getattr(self.source, "doc_batch", None)
+        texts = fetch(buffered) if fetch else [self.source.doc(i) for i in buffered]
         for lo in range(0, len(buffered), self.tokenize_batch):
-            chunk = buffered[lo:lo + self.tokenize_batch]
-            self._add([(i, self.source.doc(i)) for i in chunk])
+            self._add(list(zip(buffered[lo:lo + self.tokenize_batch], texts[lo:lo + self.tokenize_batch])))
         self._counts = dict(state.get("counts", self._counts))
 
     def stats(self) -> dict:
@@ -162,6 +191,95 @@ class PackingLoader:
         c["crop_fraction"] = c["tokens_cropped"] / read if read else 0.0
         c["epoch"] = self.epoch
         return c
+
+
+def is_streaming(source) -> bool:
+    """Whether `source` splits among readers by row group (`iter_reader`) rather than by document."""
+    return hasattr(source, "iter_reader")
+
+
+def reshard_states(states: list[dict], count: int, source=None) -> list[dict]:
+    """States for `count` readers that continue the run whose `len(states)` readers saved `states`
+    (pass the source for a streaming one: buffered documents are placed by their row group).
+
+    The rule: every new reader starts at the *frontier*, the earliest position any old reader was
+    at (smallest epoch, then smallest cursor unit: a row group, or a document for indexed sources),
+    on its own units from there (u = r, r+count, ... with u >= frontier), at row 0. Units before the
+    frontier were read completely by their old readers; what of them was not yet packed (buffered
+    documents) moves to the new reader of that unit. Buffered documents at or past the frontier
+    are dropped, because the new readers read those units again, except documents past the old
+    reader's own cursor, which it read in its previous epoch and which are kept. So no document
+    is skipped, and those read between the frontier and each old reader's cursor are seen twice:
+    about one row group per old reader when readers progress evenly (documents for an indexed
+    source). Counters are summed into new reader r % count.
+    """
+    if not states:
+        raise ValueError("no loader states to reshard")
+    old = len(states)
+    kinds, names = {s.get("kind", "index") for s in states}, {s["source"] for s in states}
+    if len(kinds) > 1 or len(names) > 1 or any(s.get("format") != STATE_FORMAT for s in states):
+        raise UserError("the saved data loader states do not belong to one run; resume with the same data")
+    if [(s["process_index"], s["process_count"]) for s in states] != [(r, old) for r in range(old)]:
+        raise UserError(f"the checkpoint holds {old} data loader states that are not readers 0..{old - 1} "
+                        f"of {old}; the checkpoint's loader states are damaged")
+    if old == count:
+        return [dict(s) for s in states]
+    streaming = kinds == {"stream"}
+    if streaming and source is None:
+        raise ValueError("resharding a streaming loader state needs its source")
+    unit_of = source.unit_of if streaming else (lambda i: i)
+
+    def unit(s: dict) -> int:
+        return s["cursor"][0] if streaming else s["cursor"]
+
+    def read_up_to(s: dict) -> int:
+        """The first document number the old reader had not read this epoch: any of its buffered
+        documents at or past it was read in its previous epoch."""
+        if not streaming:
+            return s["cursor"]
+        u, row = s["cursor"]
+        return source.units[u].start + row if u < source.num_units else len(source)
+
+    epoch, frontier = min((s["epoch"], unit(s)) for s in states)
+    new = []
+    for r in range(count):
+        u = frontier + (r - frontier) % count  # reader r's first unit at or after the frontier
+        new.append({**states[0], "process_index": r, "process_count": count, "epoch": epoch,
+                    "cursor": [u, 0] if streaming else u, "buffer": [],
+                    "counts": {k: 0 for k in states[0].get("counts", {})}})
+    for r, s in enumerate(states):
+        end = read_up_to(s)
+        for i in s["buffer"]:
+            u = unit_of(i)
+            if u < frontier or i >= end:
+                new[u % count]["buffer"].append(i)
+        for k, v in s.get("counts", {}).items():
+            new[r % count]["counts"][k] = new[r % count]["counts"].get(k, 0) + v
+    return new
+
+
+class LoaderGroup:
+    """The loaders of this process's device shards as one loader: `next_batch()` stacks
+    `grad_accum` micro-batches of every loader into (grad_accum, loaders x batch_size, seq_len),
+    shard-major within a micro-batch; `state_dict()` is the list of the loaders' states. Made to
+    sit behind one `Prefetcher`, so that a single thread touches the loaders and their source."""
+
+    def __init__(self, loaders: list[PackingLoader], grad_accum: int = 1):
+        self.loaders, self.grad_accum = list(loaders), grad_accum
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        xs, ys = [], []
+        for _ in range(self.grad_accum):
+            pairs = [ld.next_batch() for ld in self.loaders]
+            xs.append(np.concatenate([p[0] for p in pairs]))
+            ys.append(np.concatenate([p[1] for p in pairs]))
+        return np.stack(xs), np.stack(ys)
+
+    def state_dict(self) -> list[dict]:
+        return [ld.state_dict() for ld in self.loaders]
+
+    def stats(self) -> list[dict]:
+        return [ld.stats() for ld in self.loaders]
 
 
 def measure_throughput(loader: PackingLoader, batches: int = 20) -> float:

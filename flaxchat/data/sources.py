@@ -14,6 +14,12 @@ Documents in files:
   .jsonl    one document per non-empty line, the string in field `text` (configurable).
   .parquet  one document per row, column `text` (configurable), read one row group at a time.
 
+Parquet-only corpora (a folder or glob of .parquet files, local or `gs://...`, or a hub dataset
+whose files are parquet) are *streaming* sources (`flaxchat.data.shards.ParquetShards`): they number
+documents the same way, and in addition each of R readers reads its own row groups
+(`iter_reader`), which `PackingLoader` uses instead of striding over documents. A `gs://` spec
+is always a parquet folder, glob or file.
+
 Splits: if the file names mark both a train split (`train`) and a validation split (`validation`,
 `valid`, `val` or `dev`; else `test`), each split reads only its files (unmarked files are unused).
 Otherwise the last 1% of documents (at least 1, at most 10,000) is the validation split and the
@@ -32,8 +38,10 @@ from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, urlparse
 
+from flaxchat.data.shards import ParquetShards, list_shards
 from flaxchat.data.stories import StoriesCorpus
 from flaxchat.errors import UserError
+from flaxchat.paths import is_remote
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 EOT_LINE = b"<|endoftext|>"
@@ -235,24 +243,33 @@ def _check_split(split: str) -> str:
     return split
 
 
-def files_source(paths: list[str], split: str, field: str, spec: str, description: str):
-    """A source over `paths` (what `spec` names) for `split`, by the rules in the module docstring."""
-    chosen = split_files(paths, split)
+def _corpus(files: list[str], field: str, name: str):
+    """Parquet-only file lists stream (row group by row group, split among readers); others index."""
+    if all(f.lower().endswith(".parquet") for f in files):
+        return ParquetShards(files, field, name)
+    return FileCorpus(files, field, name)
+
+
+def files_source(files: list[str], split: str, field: str, spec: str, description: str):
+    """A source over `files` (what `spec` names) for `split`, by the rules in the module docstring."""
+    chosen = split_files(files, split)
     if chosen is not None:
-        corpus = FileCorpus(chosen, field, f"{len(chosen)} {split} files of {description}")
+        corpus = _corpus(chosen, field, f"{len(chosen)} {split} files of {description}")
         if len(corpus) == 0:
             raise UserError(f"the corpus at {spec} is empty (its {split} files hold no documents)")
         return corpus
-    corpus = FileCorpus(paths, field, description)
+    corpus = _corpus(files, field, description)
     n = len(corpus)
     if n == 0:
         raise UserError(f"the corpus at {spec} is empty")
     if n < 2:
         raise UserError(f"the corpus at {spec} has 1 document; a train/val split needs at least 2")
     n_val = held_out_count(n)
-    if split == "val":
-        return SliceCorpus(corpus, n - n_val, n, f"{description} (val: last {n_val:,} of {n:,} docs)")
-    return SliceCorpus(corpus, 0, n - n_val, f"{description} (train: first {n - n_val:,} of {n:,} docs)")
+    lo, hi, name = ((n - n_val, n, f"{description} (val: last {n_val:,} of {n:,} docs)") if split == "val"
+                    else (0, n - n_val, f"{description} (train: first {n - n_val:,} of {n:,} docs)"))
+    if isinstance(corpus, ParquetShards):
+        return corpus.slice(lo, hi, name)
+    return SliceCorpus(corpus, lo, hi, name)
 
 
 def local_files(spec: str) -> list[str]:
@@ -397,19 +414,20 @@ def _cached_hub_files(opts: dict, split: str, offline: bool) -> tuple[list[str],
 
 
 def resolve_source(spec: str | None, split: str = "train", seed: int = 0, field: str = "text"):
-    """`None`/"stories" -> built-in stories; "hf:owner/name..." -> hub dataset; else a local path,
-    directory or glob of .txt/.jsonl/.parquet files. `field` names the JSON field / parquet column
+    """`None`/"stories" -> built-in stories; "hf:owner/name..." -> hub dataset; "gs://..." -> a
+    folder, glob or file of parquet shards; else a local path, directory or glob of
+    .txt/.jsonl/.parquet files (parquet only: streaming). `field` names the JSON field / parquet column
     that holds the text (a hub spec sets it with `?field=`)."""
     split = _check_split(split)
     if spec is None or spec == "stories":
         return StoriesCorpus(seed=seed, split=split)
     if spec.startswith("hf:"):
-        paths, by_name, opts = hub_files(spec, split)
+        files, by_name, opts = hub_files(spec, split)
         if by_name:  # the download holds this split's files only
-            corpus = FileCorpus(paths, opts["field"], f"{len(paths)} {split} files of hf:{opts['repo']}")
+            corpus = _corpus(files, opts["field"], f"{len(files)} {split} files of hf:{opts['repo']}")
             if len(corpus) == 0:
                 raise UserError(f"the corpus at {spec} is empty")
             return corpus
-        return files_source(paths, split, opts["field"], spec, f"hf:{opts['repo']}")
-    paths = local_files(spec)
-    return files_source(paths, split, field, spec, _describe(spec, paths))
+        return files_source(files, split, opts["field"], spec, f"hf:{opts['repo']}")
+    files = list_shards(spec) if is_remote(spec) else local_files(spec)
+    return files_source(files, split, field, spec, _describe(spec, files))
