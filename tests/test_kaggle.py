@@ -347,6 +347,8 @@ def test_cli(server, tmp_path, capsys):
     out = capsys.readouterr()
     assert "from file" in out.out and out.err.splitlines()[-1] == \
         "error: the remote code failed (ZeroDivisionError: division by zero)."
+    assert cli_main(cli, [server.url, "--token", TOKEN, "--run", "def f(:"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: the remote code failed (SyntaxError: ")
     assert cli_main(cli, [server.url, "--token", TOKEN, "--status"]) == 0
     assert capsys.readouterr().out.startswith("idle: kernel ")
     assert cli_main(cli, [server.url, "--token", TOKEN, "--file", str(tmp_path / "missing.py")]) == 2
@@ -409,9 +411,11 @@ def test_setup_is_idempotent_and_importable(runner, installed, venv):
 
 
 @pytest.mark.timeout(120)
-def test_check_devices(runner, installed):
+def test_check_devices(server, runner, installed, capsys):
     info = runner.check_devices(timeout=90)
     assert info["backend"] == "cpu" and info["device_count"] >= 1 and info["process_count"] == 1
+    assert cli_main(cli, [server.url, "--token", TOKEN, "--check-devices"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "cpu"
 
 
 @pytest.mark.timeout(120)
@@ -435,6 +439,8 @@ def test_pipeline_runs_detached_and_reports_exit_code(runner, installed, tmp_pat
     runner.run_pipeline(command=[str(script), "--exit=3", "--run-dir={run_dir}"], name="failing-run")
     res = runner.wait(timeout=60, on_output=quiet, poll_interval=0.2)
     assert not res.ok and res.exit_codes == {0: 3} and "done" in res.stdout and "exit code 3" in res.error_value
+    # The command line finds the last job from its record on the server and reports its exit code.
+    assert cli_main(cli, [runner.address.http, "--token", TOKEN, "--wait"]) == 1
 
 
 @pytest.mark.timeout(120)

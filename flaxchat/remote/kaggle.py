@@ -597,8 +597,14 @@ class KaggleRunner(RemoteRunner):
             raise UserError(f"{target} exists already; move it away or pass overwrite=True.")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".part")
-        with open(tmp, "wb") as f:
-            self.rest.download_file(model["path"], f, model.get("size"))
+        try:  # streamed through /files/; a proxy that passes only /api/ gets the Contents API's base64
+            with open(tmp, "wb") as f:
+                self.rest.download_file(model["path"], f, model.get("size"))
+        except RemoteError:
+            data = self.rest.read_bytes(model["path"])
+            if data is None:
+                raise RemoteError(f"{model['path']} vanished from the server during the download.") from None
+            tmp.write_bytes(data)
         os.replace(tmp, target)  # no half-written file under the real name
         return str(target)
 
