@@ -448,24 +448,27 @@ def _complete_steps(ckpt_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(480)
 def test_pod_rehearsal_preempted_mid_training_recovers_to_the_same_parameters(pod):
     """Create a 2-worker pod, set up, upload, run scripts.pretrain on both workers, preempt it mid-training
     (SIGKILL everywhere, VM PREEMPTED), recover, finish: the final parameters equal an uninterrupted run's."""
-    from tests.test_multihost import compare_params, cpu_env, finish
+    from tests.test_multihost import cache_env, compare_params, coordinator_env, finish, free_port, start
 
-    steps = 300
+    steps = 120
+    # The uninterrupted reference: the same 2 processes x 1 device, started directly (and first, so that
+    # the pod's runs find the train step compiled in the on-disk cache).
+    ref_dir, port = pod / "reference", free_port()
+    refs = [start(_pretrain(ref_dir, steps).split()[1:], 1, coordinator_env(port, 2, i)) for i in range(2)]
+    for proc in refs:
+        finish(proc, 300)
+
     run_dir = pod / "bucket" / "pod-run"
-    lc = launcher(pod, coordinator_port=_free_port())
+    lc = launcher(pod, coordinator_port=free_port())
     lc.create()
     lc.setup(REPO)  # the real repo: git ls-files of this checkout
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # 2 workers x 1 CPU device
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", **cache_env()}  # 2 workers x 1 CPU device
     cmd = _pretrain(run_dir, steps)
     lc.run(cmd, env=env)
-    # Reference: one uninterrupted process over the same 2 devices, trained meanwhile.
-    ref_dir = pod / "reference"
-    ref = subprocess.Popen([sys.executable, *_pretrain(ref_dir, steps).split()[1:]], cwd=REPO, env=cpu_env(2), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
     ckpt = run_dir / "checkpoints"
     until(lambda: _complete_steps(ckpt), timeout=240, what="the first checkpoint")
     health = lc.health()
@@ -485,7 +488,5 @@ def test_pod_rehearsal_preempted_mid_training_recovers_to_the_same_parameters(po
     assert any(x.startswith("[w1] ") for x in lines)
     assert json.load(open(run_dir / "COMPLETE"))["step"] == steps
     final = _complete_steps(ckpt)
-    assert final[-1] == steps and all(s >= min(seen) for s in final)  # nothing older than the resume point lost
-    assert not [n for n in os.listdir(ckpt) if "tmp" in n]  # no half-written save left behind
-    finish(ref, 300)
+    assert final[-1] == steps and not [n for n in os.listdir(ckpt) if "tmp" in n]  # nothing half-written left
     assert "OK" in compare_params(run_dir, ref_dir, 2)
