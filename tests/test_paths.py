@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
@@ -62,7 +63,7 @@ def test_gs_error_is_one_line_and_a_nonzero_exit(tmp_path):
             "from flaxchat.data.sources import resolve_source\n"
             "sys.exit(cli_main(lambda argv: resolve_source('gs://bucket/fineweb/')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=tmp_path,
-                         env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1]), "PATH": ""})
+                         env={"PYTHONPATH": str(Path(__file__).parents[1]), "PATH": ""})
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and "gcsfs" in out.stderr
 

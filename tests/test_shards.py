@@ -215,19 +215,6 @@ def test_reshard_indexed_source_and_bad_states(folder):
         reshard_states([states[0], {**states[1], "source": "other"}], 3)
 
 
-@pytest.mark.timeout(30)
-def test_loader_group_stacks_shards():
-    group_src = _ListSource(40)
-    loaders = [PackingLoader(group_src, FakeTokenizer(), 2, 7, process_index=r, process_count=2) for r in range(2)]
-    group = LoaderGroup(loaders, grad_accum=3)
-    x, y = group.next_batch()
-    assert x.shape == y.shape == (3, 4, 7)
-    ref = [PackingLoader(group_src, FakeTokenizer(), 2, 7, process_index=r, process_count=2) for r in range(2)]
-    for m in range(3):
-        np.testing.assert_array_equal(x[m], np.concatenate([ref[0].next_batch()[0], ref[1].next_batch()[0]]))
-    assert [s["process_index"] for s in group.state_dict()] == [0, 1]
-
-
 class _ListSource:
     def __init__(self, n):
         self.name, self.texts = f"{n} docs", [f"{i}:{1 + i % 9}" for i in range(n)]
@@ -241,6 +228,19 @@ class _ListSource:
     def iter_docs(self, start=0, step=1):
         for i in range(start, len(self.texts), step):
             yield i, self.texts[i]
+
+
+@pytest.mark.timeout(30)
+def test_loader_group_stacks_shards():
+    group_src = _ListSource(40)
+    loaders = [PackingLoader(group_src, FakeTokenizer(), 2, 7, process_index=r, process_count=2) for r in range(2)]
+    group = LoaderGroup(loaders, grad_accum=3)
+    x, y = group.next_batch()
+    assert x.shape == y.shape == (3, 4, 7)
+    ref = [PackingLoader(group_src, FakeTokenizer(), 2, 7, process_index=r, process_count=2) for r in range(2)]
+    for m in range(3):
+        np.testing.assert_array_equal(x[m], np.concatenate([ref[0].next_batch()[0], ref[1].next_batch()[0]]))
+    assert [s["process_index"] for s in group.state_dict()] == [0, 1]
 
 
 # --- bad input ----------------------------------------------------------------------------------------
