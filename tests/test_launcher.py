@@ -79,16 +79,24 @@ def _make_env(base, mp):
     return base
 
 
+def _kill_everything():
+    """Whatever a test left running on its emulated VMs (a failed assertion mid-run) ends with it."""
+    for node in emulator.list_nodes():
+        emulator.kill_node_processes(node["project"], node["zone"], node["name"])
+
+
 @pytest.fixture
 def pod(tmp_path, monkeypatch):
     """A fresh emulator for tests that preempt, delete or recreate VMs."""
-    return _make_env(tmp_path, monkeypatch)
+    yield _make_env(tmp_path, monkeypatch)
+    _kill_everything()
 
 
 @pytest.fixture(scope="module")
 def shared_env(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         yield _make_env(tmp_path_factory.mktemp("shared"), mp)
+        _kill_everything()
 
 
 @pytest.fixture(scope="module")
