@@ -49,6 +49,12 @@ def test_queued_resources():
     assert g.qr_describe(P, Z, "t-qr")[-1] == "--format=json"
 
 
+def test_storage_commands_for_gs_run_folders():
+    assert g.storage_ls("gs://b/run/checkpoints/") == ["gcloud", "storage", "ls", "gs://b/run/checkpoints/"]
+    assert g.storage_cp("gs://b/run/checkpoints/40", "./ck") == [
+        "gcloud", "storage", "cp", "--recursive", "gs://b/run/checkpoints/40", "./ck"]
+
+
 def test_start_command_quotes_the_user_command_as_one_word():
     cmd = """python -m scripts.pretrain --depth=24 --run-dir='gs://b/run 1' && echo "$HOME" """
     words = shlex.split(g.start_command("r1", cmd, "gs://b/run 1/COMPLETE"))

@@ -425,6 +425,14 @@ def test_dry_run_prints_the_commands_and_changes_nothing(tmp_path, capsys, monke
     assert not os.path.exists(tmp_path / "launcher.json")
 
 
+def test_run_dir_is_read_from_the_training_command():
+    from flaxchat.cloud.launcher import run_dir_of
+    assert run_dir_of("python -m scripts.pretrain --depth=24 --run-dir=gs://b/d24") == "gs://b/d24"
+    assert run_dir_of("python -m scripts.pretrain --run-dir /abs/x --depth=2") == "/abs/x"
+    assert run_dir_of("python -m scripts.pretrain --depth=24") == "runs/default"  # pretrain's default
+    assert run_dir_of("python my_script.py") is None and run_dir_of("echo 'unbalanced") is None
+
+
 def test_help_lists_every_action(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])

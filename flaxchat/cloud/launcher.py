@@ -101,7 +101,10 @@ def save_state(state: dict) -> None:
 
 def run_dir_of(command: str) -> str | None:
     """The run folder a training command writes (its COMPLETE marker and checkpoints live there)."""
-    words = shlex.split(command)
+    try:
+        words = shlex.split(command)
+    except ValueError:  # unbalanced quotes: the shell will say so on the workers
+        return None
     for i, w in enumerate(words):
         if w.startswith("--run-dir="):
             return w.split("=", 1)[1]
