@@ -1,0 +1,47 @@
+"""Export a training run: model.pkl, weights.npz, model.stablehlo (+ model.mlir), and its tokenizer.
+
+    python -m scripts.export --run-dir=runs/tinystories                  # -> runs/tinystories/export/
+    python -m scripts.export --run-dir=runs/d4 --out-dir=exports --step=500
+    python -m scripts.convert_to_tflite --checkpoint=exports/model.pkl --output=exports/model.tflite
+
+Reads the latest finished checkpoint read-only (a save still in flight is neither used nor touched).
+Every file is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from flaxchat.config import ArgumentParser
+from flaxchat.errors import cli_main
+
+
+def parse_args(argv):
+    p = ArgumentParser(prog="python -m scripts.export", description=__doc__,
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, help="training run folder (holds checkpoints/)")
+    p.add_argument("--out-dir", default=None, help="where to write (default: <run-dir>/export)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length of the StableHLO forward (default: the model's context)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from flaxchat.export import export_run
+
+    t0 = time.time()
+    paths = export_run(args.run_dir, args.out_dir, step=args.step, seq_len=args.seq_len)
+    for name, path in paths.items():
+        size = os.path.getsize(path) if os.path.isfile(path) else sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+        print(f"{name:10s} {path}  ({size / 1e6:.2f} MB)")
+    print(f"exported in {time.time() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
