@@ -134,7 +134,7 @@ def test_pipeline_argv_and_archive(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_run_stdout_result_and_errors(runner):
+def test_run_stdout_result_and_errors(server, runner):
     res = runner.run("x = 6\nprint('hello'); import sys; print('warn', file=sys.stderr); x * 7", on_output=quiet)
     assert (res.state, res.ok, res.stdout, res.stderr, res.result) == ("done", True, "hello\n", "warn\n", "42")
     res = runner.run("x / 0", on_output=quiet)
@@ -142,6 +142,8 @@ def test_run_stdout_result_and_errors(runner):
     assert any("x / 0" in line for line in res.traceback) and not any("\x1b[" in line for line in res.traceback)
     res = runner.run("def f(:\n  pass", on_output=quiet)
     assert res.error_name == "SyntaxError" and not res.ok
+    # Runner snippets (store_history=False) still work right after a cell with a syntax error.
+    assert os.path.realpath(runner._kernel_root()) == os.path.realpath(server.root)
     with pytest.raises(RemoteError, match="ZeroDivisionError"):
         runner.run("1/0", on_output=quiet).raise_for_error()
     assert runner.run("import os; print(os.environ['FLAXCHAT_T'])", env={"FLAXCHAT_T": "v"}, on_output=quiet).stdout == "v\n"

@@ -35,6 +35,10 @@ from flaxchat.errors import UserError
 from flaxchat.remote.base import OutputCallback, RemoteConnectionError, RemoteError, RunResult
 
 V1_PROTOCOL = "v1.kernel.websocket.jupyter.org"
+# A display_data bundle with this type carries a value back to the runner (see kaggle.py): not
+# the execute_result, because IPython's displayhook of a store_history=False cell tokenizes the
+# last *stored* cell and fails when that one had a syntax error.
+RESULT_MIME = "text/x-flaxchat-result"
 MSG_SPEC_VERSION = "5.3"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -485,6 +489,8 @@ class _Execution:
             self.result = content.get("data", {}).get("text/plain")
             if self.result is not None and self.echo_result:
                 self.on_output("stdout", self.result + "\n")
+        elif mtype == "display_data" and RESULT_MIME in content.get("data", {}):
+            self.result = content["data"][RESULT_MIME]
         elif mtype == "display_data":
             text = content.get("data", {}).get("text/plain")
             if text is not None:

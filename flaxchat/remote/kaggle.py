@@ -11,7 +11,7 @@
 
 Any Jupyter server works (the tests use a local one). The work on the kernel is done by small
 snippets below (`_K_*`): each is a function `_flaxchat_main(params)` whose JSON return value
-comes back as the cell's result, so the runner never parses printed text. Files live under
+comes back in a display_data bundle of its own type, so the runner never parses printed text. Files live under
 `flaxchat_remote/` in the server's root folder (`/kaggle/working` on Kaggle): `src/` (the
 uploaded repo), `setup.json` (what is installed), `runs/<name>/` (log.txt, exit_code, the run).
 
@@ -20,8 +20,6 @@ Command line: `python -m flaxchat.remote.kaggle URL --run CODE` (see --help).
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
 import gzip
 import hashlib
@@ -41,8 +39,8 @@ from typing import Any, Mapping, Sequence
 from flaxchat.errors import UserError, cli_main
 from flaxchat.remote.base import (OutputCallback, RemoteConnectionError, RemoteError, RemoteRunner, RemoteTimeout,
                                   RunResult, RunStatus)
-from flaxchat.remote.jupyter import (JupyterREST, KernelConnection, KernelGone, execute, parse_server_url,
-                                     print_output)
+from flaxchat.remote.jupyter import (RESULT_MIME, JupyterREST, KernelConnection, execute,
+                                     parse_server_url, print_output)
 
 TOKEN_ENV = "KAGGLE_JUPYTER_TOKEN"
 
@@ -243,8 +241,8 @@ def _flaxchat_main(p):
 
 
 def _kernel_code(snippet: str, params: Mapping[str, Any]) -> str:
-    call = f"__import__('json').dumps(_flaxchat_main(__import__('json').loads({json.dumps(json.dumps(params))})))"
-    return snippet + "\n" + call
+    value = f"__import__('json').dumps(_flaxchat_main(__import__('json').loads({json.dumps(json.dumps(params))})))"
+    return snippet + f"\n__import__('IPython.display').display.display({{{RESULT_MIME!r}: {value}}}, raw=True)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +426,7 @@ class KaggleRunner(RemoteRunner):
                 self._lock.release()
         if not res.ok:
             raise RemoteError(f"{what} failed on the kernel: {res.error_value or res.error_name}.")
-        return json.loads(ast.literal_eval(res.result))
+        return json.loads(res.result)
 
     def _kernel_root(self) -> str:
         if self._root is None:
