@@ -404,7 +404,9 @@ class KaggleRunner(RemoteRunner):
             on_output: OutputCallback | None = None) -> RunResult:
         """Execute Python code on the kernel; output is streamed to `on_output(stream, text)` (default:
         printed here). Returns the finished RunResult: 'done', or 'failed' with the error (a timeout
-        interrupts the cell and is a failure). `env` is set in the kernel's os.environ first (it stays)."""
+        interrupts the cell and is a failure). `env` is set in the kernel's os.environ first (it stays).
+        The code runs inside the kernel process: JAX imported there holds the accelerator until the
+        kernel restarts, which is why check_devices() and run_pipeline() use child processes."""
         with self._lock:
             conn = self._connect()
             if env:
