@@ -1,0 +1,100 @@
+"""Load a trained model and its tokenizer for inference (the chat scripts and the benchmarks).
+
+A model is named by any of: a run folder (`runs/x`, holding `checkpoints/` and `tokenizer/`), its
+checkpoints folder (`runs/x/checkpoints`), or one step of it (`runs/x/checkpoints/1000`). The latest
+step is used unless one is given. `save_run` writes the same layout, so a test or a conversion can
+make a folder the chat scripts open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from flaxchat.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    checkpoints: Path  # the folder of step folders
+    step: int | None  # None: the latest
+    run_dir: Path  # where tokenizer/ normally lives
+
+
+def _is_step_dir(p: Path) -> bool:
+    return p.is_dir() and p.name.isdigit() and (p / "meta").exists()
+
+
+def resolve(path: str | os.PathLike, step: int | None = None) -> RunPaths:
+    """Which checkpoints folder and step a user's path means; a UserError if it names none."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"no run folder or checkpoint at {p}; pass a run folder made by "
+                        "`python -m scripts.run_tinystories --run-dir DIR` (or its checkpoints/<step> folder).")
+    if _is_step_dir(p):
+        if step is not None and step != int(p.name):
+            raise UserError(f"{p} is step {p.name} but --step {step} was asked for; pass one or the other.")
+        return RunPaths(p.parent, int(p.name), p.parent.parent)
+    if (p / "checkpoints").is_dir():
+        return RunPaths(p / "checkpoints", step, p)
+    if p.is_dir() and any(_is_step_dir(c) for c in p.iterdir()):
+        return RunPaths(p, step, p.parent)
+    raise UserError(f"{p} holds no checkpoint (no checkpoints/<step>/ folder); train one first or pass another folder.")
+
+
+def _tokenizer_dir(paths: RunPaths, meta: dict) -> Path:
+    own = paths.run_dir / "tokenizer"
+    if (own / "tokenizer.json").is_file():
+        return own
+    saved = (meta.get("train_config") or {}).get("tokenizer_dir")
+    if saved and (Path(saved) / "tokenizer.json").is_file():
+        return Path(saved)
+    raise UserError(f"no tokenizer found for {paths.run_dir} (looked in {own}"
+                    f"{' and ' + saved if saved else ''}); copy the run's tokenizer/ folder next to checkpoints/.")
+
+
+def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokenizer: bool = True):
+    """(model, tokenizer or None, meta) from a run folder, checkpoints folder or step folder."""
+    from flax import nnx
+
+    from flaxchat.checkpoint import Checkpointer
+    from flaxchat.common import resolve_dtype
+    from flaxchat.config import GPTConfig
+    from flaxchat.gpt import GPT
+    from flaxchat.tokenizer import Tokenizer
+
+    paths = resolve(path, step)
+    ckpt = Checkpointer(str(paths.checkpoints), max_to_keep=None, async_save=False)
+    try:
+        steps = ckpt.all_steps()
+        if paths.step is not None and paths.step not in steps:
+            raise UserError(f"step {paths.step} is not in {paths.checkpoints} (steps there: "
+                            f"{', '.join(map(str, sorted(steps))) or 'none'}).")
+        meta = ckpt.read_meta(paths.step)
+        if "model_config" not in meta:
+            raise UserError(f"the checkpoint in {paths.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
+        cfg = GPTConfig.from_dict(meta["model_config"])
+        model = GPT(dataclasses.replace(cfg, grad_checkpoint=False), rngs=nnx.Rngs(0), dtype=resolve_dtype("auto"))
+        meta = ckpt.restore(model, step=paths.step)
+    finally:
+        ckpt.close()
+    tokenizer = Tokenizer.load(_tokenizer_dir(paths, meta)) if with_tokenizer else None
+    if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size}; "
+                        "they come from different runs.")
+    return model, tokenizer, meta
+
+
+def save_run(run_dir: str | os.PathLike, model, tokenizer=None, step: int = 0, meta: dict | None = None) -> Path:
+    """Write `model` (and `tokenizer`) as a run folder that `load_model` opens."""
+    from flaxchat.checkpoint import Checkpointer
+    run_dir = Path(run_dir)
+    ckpt = Checkpointer(str(run_dir / "checkpoints"), max_to_keep=None, async_save=False)
+    try:
+        ckpt.save(step, model, None, dict(meta or {}, model_config=model.config.to_dict()))
+    finally:
+        ckpt.close()
+    if tokenizer is not None:
+        tokenizer.save(run_dir / "tokenizer")
+    return run_dir
