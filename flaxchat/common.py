@@ -18,8 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxchat.errors import UserError
-
-DATA_AXIS = "data"
+from flaxchat.sharding import BATCH, make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +37,17 @@ class Compute:
     def is_main(self) -> bool:
         return self.process_index == 0
 
-    def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(DATA_AXIS))
+    @property
+    def sharding(self) -> str:
+        return "fsdp" if self.mesh.shape["fsdp"] > 1 else "dp"
+
+    def with_sharding(self, sharding: str) -> "Compute":
+        """The same devices on a mesh for another layout (dp or fsdp)."""
+        return dataclasses.replace(self, mesh=make_mesh(list(self.mesh.devices.flat), sharding))
+
+    def batch_sharding(self, leading: int = 1) -> NamedSharding:
+        """Rows split over every device; `leading` unsplit axes before the rows (micro-batches)."""
+        return NamedSharding(self.mesh, P(*([None] * leading), BATCH))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -73,10 +81,9 @@ def resolve_dtype(name: str = "auto") -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def compute_init(dtype: str = "auto") -> Compute:
+def compute_init(dtype: str = "auto", sharding: str = "dp") -> Compute:
     maybe_initialize_distributed()
-    devices = np.array(jax.devices())
-    mesh = Mesh(devices, (DATA_AXIS,))
+    mesh = make_mesh(jax.devices(), sharding)
     return Compute(mesh=mesh, process_index=jax.process_index(), process_count=jax.process_count(),
                    backend=jax.default_backend(), compute_dtype=resolve_dtype(dtype))
 
@@ -100,9 +107,9 @@ def peak_rss_mb() -> float:
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
-def global_batch(compute: Compute, local: np.ndarray) -> jax.Array:
-    """This process's rows -> one global array sharded over the data axis of the mesh."""
-    return jax.make_array_from_process_local_data(compute.batch_sharding(), local)
+def global_batch(compute: Compute, local: np.ndarray, leading: int = 1) -> jax.Array:
+    """This process's rows -> one global array, rows split over every device of the mesh."""
+    return jax.make_array_from_process_local_data(compute.batch_sharding(leading), local)
 
 
 # bf16 dense peak FLOP/s per chip, from the vendors' spec sheets (for MFU on accelerators).

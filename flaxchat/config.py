@@ -135,6 +135,7 @@ class TrainConfig:
     warmdown_ratio: float = 0.5
     final_lr_frac: float = 0.0
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
+    sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
     eval_every: int = 250
     eval_tokens: int = 65_536
     sample_every: int = 500
@@ -151,6 +152,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.optimizer not in ("muon", "adamw"):
             raise UserError(f"--optimizer must be 'muon' or 'adamw' (got {self.optimizer!r}).")
+        if self.sharding not in ("auto", "dp", "fsdp"):
+            raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
         if self.device_batch_size <= 0 or self.sequence_len <= 1:

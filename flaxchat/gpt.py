@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxchat import ops
+from flaxchat.sharding import constrain
 from flaxchat.config import GPTConfig
 
 VE_GATE_CHANNELS = 32
@@ -35,13 +36,26 @@ def _uniform(scale: float):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel (in, out), no bias; the fast-backward matmul of `ops`."""
+    """y = x @ kernel, kernel (in, out), no bias; the fast-backward matmul of `ops`.
 
-    def __init__(self, din: int, dout: int, *, init, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(init(rngs.params(), (din, dout)))
+    `axes` are the kernel's logical axis names; `flaxchat.sharding` maps them to mesh axes.
+    """
+
+    def __init__(self, din: int, dout: int, *, init, rngs: nnx.Rngs, axes=(None, None)):
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout)), logical_axes=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return ops.matmul(x, self.kernel[...].astype(x.dtype))
+
+
+class Embedding(nnx.Module):
+    """A lookup table (num, dim) with logical axes, like nnx.Embed."""
+
+    def __init__(self, num: int, dim: int, *, init, rngs: nnx.Rngs, axes=("vocab", "embed")):
+        self.embedding = nnx.Param(init(rngs.params(), (num, dim)), logical_axes=axes)
+
+    def __call__(self, idx: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], idx, axis=0)
 
 
 class Attention(nnx.Module):
@@ -49,12 +63,13 @@ class Attention(nnx.Module):
         d, hd = cfg.n_embd, cfg.head_dim
         s = math.sqrt(3.0 / d)  # uniform with the std of N(0, 1/d); uniform avoids outliers
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
-        self.c_q = Linear(d, cfg.n_head * hd, init=_uniform(s), rngs=rngs)
-        self.c_k = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs)
-        self.c_v = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs)
-        self.c_proj = Linear(d, d, init=nnx.initializers.zeros_init(), rngs=rngs)
+        self.c_q = Linear(d, cfg.n_head * hd, init=_uniform(s), rngs=rngs, axes=("embed", "heads"))
+        self.c_k = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs, axes=("embed", "kv"))
+        self.c_v = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs, axes=("embed", "kv"))
+        self.c_proj = Linear(d, d, init=nnx.initializers.zeros_init(), rngs=rngs, axes=("heads", "embed"))
         if cfg.has_value_embed(layer):
-            self.ve = nnx.Embed(cfg.padded_vocab_size, cfg.n_kv_head * hd, embedding_init=_uniform(s), rngs=rngs)
+            self.ve = Embedding(cfg.padded_vocab_size, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs,
+                                axes=("vocab", "kv"))
             self.ve_gate = Linear(min(VE_GATE_CHANNELS, d), cfg.n_kv_head, init=_uniform(0.02), rngs=rngs)
         else:
             self.ve = None
@@ -89,8 +104,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         s = math.sqrt(3.0 / cfg.n_embd)
-        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, init=_uniform(0.4 * s), rngs=rngs)
-        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, init=nnx.initializers.zeros_init(), rngs=rngs)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, init=_uniform(0.4 * s), rngs=rngs, axes=("embed", "mlp"))
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, init=nnx.initializers.zeros_init(), rngs=rngs,
+                             axes=("mlp", "embed"))
 
     def __call__(self, x):
         return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
@@ -111,9 +127,10 @@ class GPT(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         V, d, L = cfg.padded_vocab_size, cfg.n_embd, cfg.n_layer
-        self.wte = nnx.Embed(V, d, embedding_init=nnx.initializers.normal(0.8), rngs=rngs)
+        self.wte = Embedding(V, d, init=nnx.initializers.normal(0.8), rngs=rngs)
         self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(L)])
-        self.lm_head = None if cfg.tie_embeddings else Linear(d, V, init=nnx.initializers.normal(0.001), rngs=rngs)
+        self.lm_head = None if cfg.tie_embeddings else Linear(d, V, init=nnx.initializers.normal(0.001), rngs=rngs,
+                                                              axes=("embed", "vocab"))
         # Stronger residual early, more of the embedding blended back in early (nanochat init).
         denom = max(L - 1, 1)
         self.resid_lambdas = nnx.Param(jnp.array([1.15 - 0.10 * i / denom for i in range(L)], jnp.float32))
@@ -161,7 +178,7 @@ class GPT(nnx.Module):
         B, T = idx.shape
         if positions is None:
             positions = jnp.arange(T, dtype=jnp.int32)
-        x = self.embed(idx, prev_embedding)
+        x = constrain(self.embed(idx, prev_embedding), ("batch", None, None))
         x0 = x
         backout_layer = cfg.n_layer // 2
         x_backout = None
@@ -174,6 +191,7 @@ class GPT(nnx.Module):
             else:
                 call = _remat_block if cfg.grad_checkpoint else _call_block
                 x = call(block, x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block)
+            x = constrain(x, ("batch", None, None))
             if i == backout_layer:
                 x_backout = x
         if x_backout is not None:

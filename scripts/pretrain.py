@@ -54,6 +54,7 @@ def run(tc: TrainConfig) -> dict:
     from flax import nnx
 
     from flaxchat import checkpoint as ckpt
+    from flaxchat import sharding
     from flaxchat.common import allgather_json, compute_init, device_peak_flops, fmt_duration, global_batch, peak_rss_mb, print0
     from flaxchat.config import GPTConfig, config_for_depth, save_json
     from flaxchat.data.loader import PackingLoader
@@ -130,8 +131,15 @@ def run(tc: TrainConfig) -> dict:
     opt_cfg = OptimConfig(tc.optimizer, tc.matrix_lr, tc.embedding_lr, tc.unembedding_lr, tc.scalar_lr,
                           tc.weight_decay, tc.adam_beta1, tc.adam_beta2, model_cfg.n_embd, tc.depth, ns_dtype)
     optimizer = nnx.Optimizer(model, build_optimizer(opt_cfg, schedule), wrt=nnx.Param)
-    _replicate(nnx.state(model), compute)
-    _replicate(nnx.state(optimizer), compute)
+    layout = sharding.choose(tc.sharding, 4 * n_params, 2.0, sharding.device_memory_bytes())
+    compute = compute.with_sharding(layout)
+    jax.set_mesh(compute.mesh)  # logical activation constraints inside the model resolve on this mesh
+    # Always place the state, even on one device: arrays left uncommitted would come back from the
+    # first step committed to the mesh, and the changed input types would compile the step twice.
+    sharding.shard_model_and_optimizer(model, optimizer, compute.mesh)
+    per_device = sharding.bytes_per_device(nnx.state(model, nnx.Param))
+    print0(f"sharding: {layout} over {compute.device_count} device(s); parameters per device "
+           f"{max(per_device.values()) / 2**20:.1f} MiB of {4 * n_params / 2**20:.1f} MiB")
 
     # --- data loaders: one stream per device, so the global batch does not depend on how the
     # devices are spread over processes (2 processes x 1 device == 1 process x 2 devices).
@@ -280,29 +288,6 @@ def _local_shard_indices(compute) -> list[int]:
     devices = list(compute.mesh.devices.flat)
     import jax
     return [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-
-
-def _replicate(state, compute) -> None:
-    """Place every array of `state` on all devices of the mesh (identical on every process)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    sharding = compute.replicated()
-
-    def put(x):
-        if not isinstance(x, jax.Array):
-            return x
-        if compute.process_count == 1:
-            return jax.device_put(x, sharding)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-    # Always, even on one device: arrays left uncommitted would come back from the first step
-    # committed to the mesh, and the changed input types would compile the step a second time.
-    for var in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
-        if isinstance(var, nnx.Variable) and isinstance(var.get_value(), jax.Array):
-            var.set_value(put(var.get_value()))
 
 
 if __name__ == "__main__":

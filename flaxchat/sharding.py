@@ -1,0 +1,160 @@
+"""One table of sharding rules: logical axis names (what modules say) -> mesh axes (where data lives).
+
+The mesh always has three axes, ('data', 'fsdp', 'tensor'). The layout is chosen by the mesh's
+shape, not by different code: `dp` puts every device on 'data' (parameters replicated, since the
+'fsdp' axis has size 1), `fsdp` puts them on 'fsdp' (each parameter's 'embed' dimension split over
+the devices, so every device holds ~1/N of parameters, gradients and optimizer state). Batches are
+split over 'data' and 'fsdp' together. 'tensor' is the room left for tensor parallelism (size 1).
+Modules name logical axes only (`Linear(..., axes=("embed", "mlp"))`), never mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from flaxchat.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+
+# logical axis -> mesh axis (None: replicated along it)
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH,
+    "embed": "fsdp",
+    "vocab": None,
+    "heads": "tensor",
+    "kv": "tensor",
+    "mlp": "tensor",
+}
+
+
+def make_mesh(devices: Sequence, sharding: str) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over `devices` for the layout `dp` or `fsdp`."""
+    n = len(devices)
+    shape = {"dp": (n, 1, 1), "fsdp": (1, n, 1)}.get(sharding)
+    if shape is None:
+        raise UserError(f"--sharding must be dp, fsdp or auto (got {sharding!r}).")
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def choose(sharding: str, param_bytes: int, optimizer_multiple: float, device_bytes: int | None) -> str:
+    """`auto`: fsdp when parameters + optimizer state (+ gradients) would not fit on one device."""
+    if sharding != "auto":
+        return sharding
+    if not device_bytes:
+        return "dp"
+    need = param_bytes * (2 + optimizer_multiple)  # params + grads + optimizer state
+    return "fsdp" if need > 0.5 * device_bytes else "dp"  # keep half the memory for activations
+
+
+def device_memory_bytes() -> int | None:
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:
+        return None
+    return stats.get("bytes_limit")
+
+
+def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh) -> P:
+    """The mesh PartitionSpec for a value with these logical axes (size-1 dims never split)."""
+    if not axes:
+        return P()
+    out = []
+    for name, size in zip(axes, shape):
+        mesh_axis = RULES.get(name) if name else None
+        if mesh_axis is not None:
+            n = math.prod(mesh.shape[a] for a in ((mesh_axis,) if isinstance(mesh_axis, str) else mesh_axis))
+            if n > 1 and size % n:
+                raise UserError(f"a dimension of size {size} (logical axis {name!r}) does not divide over "
+                                f"{n} devices; pick a model width or device count that divides.")
+            if size == 1 or n == 1:
+                mesh_axis = None
+        out.append(mesh_axis)
+    # FSDP must split every sizeable tensor: one with no 'embed' dimension (value embeddings:
+    # vocab x kv) has its largest divisible dimension split over 'fsdp' instead.
+    nf = mesh.shape["fsdp"]
+    used = {a for x in out if x for a in ((x,) if isinstance(x, str) else x)}
+    if nf > 1 and "fsdp" not in used:
+        dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+        for i in dims:
+            if out[i] is None and shape[i] % nf == 0 and shape[i] >= nf:
+                out[i] = "fsdp"
+                break
+    return P(*out)
+
+
+def param_specs(state: nnx.State, mesh: Mesh) -> dict[str, P]:
+    """Dotted path -> PartitionSpec for every Param in `state`."""
+    specs = {}
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(str(p) for p in path)
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        axes = getattr(var, "logical_axes", None)
+        specs[name] = logical_to_spec(axes, value.shape, mesh)
+    return specs
+
+
+def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)  # identical on every process (same seed / same checkpoint)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
+    """Place parameters by the rules and each optimizer-state array like the parameter it belongs to.
+
+    Optimizer state mirrors the parameter tree (momentum, Adam moments: same path suffix); a state
+    array with the parameter's shape takes its spec, a reduced one (NorMuon's per-row second moment)
+    drops the split on its size-1 dimension, anything else (step counts) is replicated.
+    """
+    pstate = nnx.state(model, nnx.Param)
+    specs = param_specs(pstate, mesh)
+    shapes = {name: var.get_value().shape for name, var in
+              ((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(pstate))}
+    for path, var in nnx.to_flat_state(pstate):
+        var.set_value(_put(var.get_value(), NamedSharding(mesh, specs[".".join(map(str, path))])))
+    if optimizer is None:
+        return
+    for path, var in nnx.to_flat_state(nnx.state(optimizer)):
+        value = var.get_value() if isinstance(var, nnx.Variable) else None
+        if not isinstance(value, jax.Array):
+            continue
+        name = ".".join(str(p) for p in path)
+        spec = P()
+        for pname, pspec in sorted(specs.items(), key=lambda kv: -len(kv[0])):
+            if name == pname or name.endswith("." + pname):
+                if value.shape == shapes[pname]:
+                    spec = pspec
+                elif len(value.shape) == len(shapes[pname]):
+                    spec = P(*[None if n == 1 else a for n, a in zip(value.shape, tuple(pspec) + (None,) * 8)])
+                break
+        var.set_value(_put(value, NamedSharding(mesh, spec)))
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical axes, a no-op outside a mesh context (e.g. in tests)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or tuple(mesh.axis_names) != MESH_AXES:
+        return x
+    spec = [RULES.get(a) if a else None for a in axes]
+    return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def bytes_per_device(tree) -> dict[int, int]:
+    """Bytes of `tree`'s arrays held by each addressable device (from the arrays' shardings)."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, nnx.Variable):
+            leaf = leaf.get_value()
+        if not isinstance(leaf, jax.Array):
+            continue
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
