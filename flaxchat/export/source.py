@@ -28,13 +28,24 @@ def checkpoint_dir(path: str) -> str:
 
 def read_checkpoint(path: str, step: int | None = None) -> tuple[GPTConfig, dict, int]:
     """(config, params, step) of the latest (or given) finished save under a run folder."""
+    from absl import logging as absl_logging
+
+    ckpt = checkpoint_dir(path)
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns that a read-only manager is read-only
+    try:
+        return _read(ckpt, step)
+    finally:
+        absl_logging.set_verbosity(verbosity)
+
+
+def _read(ckpt: str, step: int | None) -> tuple[GPTConfig, dict, int]:
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from flaxchat.gpt import GPT
 
-    ckpt = checkpoint_dir(path)
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                            enable_async_checkpointing=False)
     try:
