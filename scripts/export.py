@@ -15,7 +15,7 @@ import sys
 import time
 
 from flaxchat.config import ArgumentParser
-from flaxchat.errors import cli_main
+from flaxchat.errors import UserError, cli_main
 
 
 def parse_args(argv):
@@ -26,6 +26,8 @@ def parse_args(argv):
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="sequence length of the StableHLO forward (default: the model's context)")
+    p.add_argument("--platforms", default="cpu",
+                   help="comma-separated platforms the StableHLO is lowered for, e.g. cpu,cuda,tpu (default: cpu)")
     return p.parse_args(argv)
 
 
@@ -34,7 +36,10 @@ def main(argv=None) -> int:
     from flaxchat.export import export_run
 
     t0 = time.time()
-    paths = export_run(args.run_dir, args.out_dir, step=args.step, seq_len=args.seq_len)
+    platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
+    if not platforms or set(platforms) - {"cpu", "cuda", "rocm", "tpu"}:
+        raise UserError(f"--platforms takes a comma-separated list of cpu, cuda, rocm, tpu (got {args.platforms!r}).")
+    paths = export_run(args.run_dir, args.out_dir, step=args.step, seq_len=args.seq_len, platforms=platforms)
     for name, path in paths.items():
         size = os.path.getsize(path) if os.path.isfile(path) else sum(
             os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)

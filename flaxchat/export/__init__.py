@@ -28,10 +28,12 @@ FILES = dict(pkl="model.pkl", npz="weights.npz", stablehlo="model.stablehlo", ml
 
 
 def export_model(model_or_cfg, out_dir: str, params: dict | None = None, step: int | None = None,
-                 seq_len: int | None = None) -> dict[str, str]:
+                 seq_len: int | None = None, platforms: tuple[str, ...] = ("cpu",)) -> dict[str, str]:
     """Write model.pkl, weights.npz, model.stablehlo and model.mlir into out_dir; returns their paths.
 
-    Pass a live GPT, or a GPTConfig with its params (nested dict of numpy arrays).
+    Pass a live GPT, or a GPTConfig with its params (nested dict of numpy arrays). `platforms`:
+    what the StableHLO is lowered for; CPU alone by default, because a multi-platform module takes
+    an extra platform-index argument that converters such as litert-converter do not expect.
     """
     from flaxchat.export.stablehlo import check_seq_len, save_stablehlo
 
@@ -44,12 +46,12 @@ def export_model(model_or_cfg, out_dir: str, params: dict | None = None, step: i
     save_pkl(out["pkl"], cfg, params, step)
     save_npz(out["npz"], cfg, params)
     # The float32 twin of the model: a bf16-compute training model exports as float32.
-    save_stablehlo(build_model(cfg, params), out["stablehlo"], seq_len)
+    save_stablehlo(build_model(cfg, params), out["stablehlo"], seq_len, tuple(platforms))
     return out
 
 
 def export_run(run_dir: str, out_dir: str | None = None, step: int | None = None,
-               seq_len: int | None = None) -> dict[str, str]:
+               seq_len: int | None = None, platforms: tuple[str, ...] = ("cpu",)) -> dict[str, str]:
     """Export a training run's latest finished checkpoint (default into <run_dir>/export).
 
     Also copies the run's tokenizer folder beside the files (an app needs it to encode prompts).
@@ -57,7 +59,7 @@ def export_run(run_dir: str, out_dir: str | None = None, step: int | None = None
     """
     cfg, params, step = read_checkpoint(run_dir, step)
     out_dir = out_dir or os.path.join(run_dir, "export")
-    paths = export_model(cfg, out_dir, params=params, step=step, seq_len=seq_len)
+    paths = export_model(cfg, out_dir, params=params, step=step, seq_len=seq_len, platforms=platforms)
     tok = os.path.join(run_dir, "tokenizer")
     if os.path.isdir(tok):
         dest = os.path.join(out_dir, "tokenizer")

@@ -96,6 +96,9 @@ def decode_step(model: GPT, token: jax.Array, position: jax.Array, k_cache: jax.
     return logits[:, 0], jnp.stack(new_k), jnp.stack(new_v), token_embedding(model, token[:, 0])
 
 
+_COMPILED: dict = {}
+
+
 def greedy_generate(model: GPT, prompt: list[int], max_new: int, max_len: int | None = None) -> list[int]:
     """Greedy continuation of one prompt through prefill + decode_step (jitted once per shape).
 
@@ -110,8 +113,11 @@ def greedy_generate(model: GPT, prompt: list[int], max_new: int, max_len: int | 
     if not 1 <= n < max_len:
         raise ValueError(f"prompt of {n} tokens does not fit a cache of {max_len}")
     graphdef, state = nnx.split(model)
-    pre = jax.jit(lambda s, t, l: prefill(nnx.merge(graphdef, s), t, l, max_len))
-    step = jax.jit(lambda s, *a: decode_step(nnx.merge(graphdef, s), *a))
+    key = (graphdef, max_len)
+    if key not in _COMPILED:  # one compile per model shape, not per call (field notes)
+        _COMPILED[key] = (jax.jit(lambda s, t, l: prefill(nnx.merge(graphdef, s), t, l, max_len)),
+                          jax.jit(lambda s, *a: decode_step(nnx.merge(graphdef, s), *a)))
+    pre, step = _COMPILED[key]
     tokens = np.zeros((1, max_len), np.int32)
     tokens[0, :n] = prompt
     logits, kc, vc, prev = pre(state, tokens, np.array([n], np.int32))

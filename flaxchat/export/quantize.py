@@ -79,6 +79,8 @@ def quantize_dynamic_range(tflite: bytes, min_elements: int = MIN_ELEMENTS) -> t
         shape = tuple(int(d) for d in first.shape)
         if int(np.prod(shape)) < min_elements or len(shape) < 2:
             continue
+        if any(tuple(int(d) for d in model.subgraphs[g].tensors[t].shape) != shape for g, _, _, t in uses):
+            continue  # identical bytes under two shapes (e.g. all-zero matrices): per-row scales would not fit both
         ops = [(_builtin(model, model.subgraphs[g].operators[o]), slot) for g, o, slot, _ in uses]
         hybrid = all(op == fc and slot == 1 for op, slot in ops)
         if not hybrid and not all(op in gathers and slot == 0 for op, slot in ops):
