@@ -33,12 +33,15 @@ def test_create_describe_delete():
 
 
 def test_ssh_and_scp():
-    assert g.tpu_ssh(P, Z, "t", "echo hi; ls", "all")[-2:] == ["--worker=all", "--command=echo hi; ls"]
-    assert g.tpu_ssh(P, Z, "t", "x", 3)[-2] == "--worker=3"
+    assert g.tpu_ssh(P, Z, "t", "echo hi; ls", "all") == [
+        "gcloud", "compute", "tpus", "tpu-vm", "ssh", "t", "--project=proj", "--zone=us-central2-b",
+        "--worker=all", "--quiet", "--command=echo hi; ls"]
+    assert g.tpu_ssh(P, Z, "t", "x", 3)[-3] == "--worker=3"
     up = g.tpu_scp_to(P, Z, "t", "/tmp/a.tgz", "a.tgz")
-    assert up[5:7] == ["/tmp/a.tgz", "t:a.tgz"] and up[-1] == "--worker=all"
+    assert up[5:7] == ["/tmp/a.tgz", "t:a.tgz"] and up[-2:] == ["--worker=all", "--quiet"]
     down = g.tpu_scp_from(P, Z, "t", "flaxchat/runs/x/checkpoints/5", "./ckpt", 0, recurse=True)
-    assert down[5:7] == ["t:flaxchat/runs/x/checkpoints/5", "./ckpt"] and down[-2:] == ["--worker=0", "--recurse"]
+    assert down[5:7] == ["t:flaxchat/runs/x/checkpoints/5", "./ckpt"]
+    assert down[-3:] == ["--worker=0", "--quiet", "--recurse"]
 
 
 def test_queued_resources():

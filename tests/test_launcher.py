@@ -452,10 +452,9 @@ def test_launcher_imports_no_jax():
 # --- the pod rehearsal, end to end, with the real training ------------------------------------------------
 
 
-def _pretrain(run_dir, steps):
-    return (f"python -m scripts.pretrain --run-dir={run_dir} --depth=1 --steps={steps} --sequence-len=32 "
-            "--vocab-size=300 --device-batch-size=2 --eval-every=0 --sample-every=0 --save-every=20 "
-            "--log-every=10 --max-chars-tokenizer=20000 --num-samples=1 --seed=5")
+def _pretrain(run_dir):
+    from tests.test_multihost import TINY  # the same model and schedule: the compiled step is cached once
+    return f"python -m scripts.pretrain --run-dir={run_dir} {' '.join(TINY)}"
 
 
 def _complete_steps(ckpt_dir):
@@ -470,11 +469,11 @@ def test_pod_rehearsal_preempted_mid_training_recovers_to_the_same_parameters(po
     (SIGKILL everywhere, VM PREEMPTED), recover, finish: the final parameters equal an uninterrupted run's."""
     from tests.test_multihost import cache_env, compare_params, coordinator_env, finish, free_port, start
 
-    steps = 120
+    from tests.test_multihost import STEPS as steps
     # The uninterrupted reference: the same 2 processes x 1 device, started directly (and first, so that
     # the pod's runs find the train step compiled in the on-disk cache).
     ref_dir, port = pod / "reference", free_port()
-    refs = [start(_pretrain(ref_dir, steps).split()[1:], 1, coordinator_env(port, 2, i)) for i in range(2)]
+    refs = [start(_pretrain(ref_dir).split()[1:], 1, coordinator_env(port, 2, i)) for i in range(2)]
     for proc in refs:
         finish(proc, 300)
 
@@ -483,12 +482,12 @@ def test_pod_rehearsal_preempted_mid_training_recovers_to_the_same_parameters(po
     lc.create()
     lc.setup(REPO)  # the real repo: git ls-files of this checkout
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", **cache_env()}  # 2 workers x 1 CPU device
-    cmd = _pretrain(run_dir, steps)
+    cmd = _pretrain(run_dir)
     lc.run(cmd, env=env)
+    health = lc.health()  # while it starts (and compiles): both workers are there and alive
+    assert [w["worker"] for w in health["workers"]] == [0, 1] and all(w["alive"] for w in health["workers"]), health
     ckpt = run_dir / "checkpoints"
     until(lambda: _complete_steps(ckpt), timeout=240, what="the first checkpoint")
-    health = lc.health()
-    assert [w["worker"] for w in health["workers"]] == [0, 1] and all(w["alive"] for w in health["workers"]), health
     seen = _complete_steps(ckpt)
     assert not (run_dir / "COMPLETE").exists() and max(seen) < steps, "training ended before the preemption"
     emulator.preempt(NAME, Z, P)

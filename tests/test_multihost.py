@@ -18,8 +18,9 @@ import tempfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--depth=1", "--steps=6", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2",
-        "--eval-every=0", "--sample-every=0", "--save-every=3", "--log-every=1", "--max-chars-tokenizer=20000",
+STEPS = 60  # enough for the pod rehearsal to be preempted mid-training, after its first checkpoint
+TINY = ["--depth=1", f"--steps={STEPS}", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2",
+        "--eval-every=0", "--sample-every=0", "--save-every=10", "--log-every=10", "--max-chars-tokenizer=20000",
         "--num-samples=1", "--seed=3"]
 # The driver runs scripts.pretrain unchanged, but every process also prints each step's loss at full
 # precision (pretrain's own lines come from process 0 only, with 4 decimals).
@@ -110,7 +111,7 @@ def test_two_processes_train_as_one_job_like_one_process(tmp_path):
     outs = [finish(p, 360) for p in procs]
     assert "2 device(s) in 2 process(es)" in outs[0]
     losses = [[float(v) for p, v in EXACT.findall(o) if p == str(i)] for i, o in enumerate(outs)]
-    assert len(losses[0]) == 6 and losses[0] == losses[1], outs[0][-2000:]  # bitwise identical on both
+    assert len(losses[0]) == STEPS and losses[0] == losses[1], outs[0][-2000:]  # bitwise identical on both
     assert (multi / "COMPLETE").exists()  # written once, by process 0
 
     single = tmp_path / "single"

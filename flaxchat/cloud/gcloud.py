@@ -65,22 +65,23 @@ def tpu_delete(project: str, zone: str, name: str) -> list[str]:
     return ["gcloud", "compute", "tpus", "tpu-vm", "delete", name, *_where(project, zone), "--quiet"]
 
 
+# --quiet on ssh/scp: gcloud would otherwise stop to ask for an ssh key passphrase on first use.
 def tpu_ssh(project: str, zone: str, name: str, command: str, worker: int | str = "all") -> list[str]:
     return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, *_where(project, zone),
-            f"--worker={worker}", f"--command={command}"]
+            f"--worker={worker}", "--quiet", f"--command={command}"]
 
 
 def tpu_scp_to(project: str, zone: str, name: str, local: str, remote: str,
                worker: int | str = "all", recurse: bool = False) -> list[str]:
     argv = ["gcloud", "compute", "tpus", "tpu-vm", "scp", local, f"{name}:{remote}",
-            *_where(project, zone), f"--worker={worker}"]
+            *_where(project, zone), f"--worker={worker}", "--quiet"]
     return argv + (["--recurse"] if recurse else [])
 
 
 def tpu_scp_from(project: str, zone: str, name: str, remote: str, local: str,
                  worker: int = 0, recurse: bool = False) -> list[str]:
     argv = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{name}:{remote}", local,
-            *_where(project, zone), f"--worker={worker}"]
+            *_where(project, zone), f"--worker={worker}", "--quiet"]
     return argv + (["--recurse"] if recurse else [])
 
 
