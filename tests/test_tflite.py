@@ -154,3 +154,12 @@ def test_bad_input_leaves_no_file(lite, tmp_path, capsys, case):
     rc, err = _convert([f"--checkpoint={ckpt}", f"--output={out}", "--no-verify", *extra], capsys)
     assert rc == 2 and len(err) == 1, err
     assert os.listdir(tmp_path) in ([], ["other.pkl"])
+
+
+@needs_litert
+@pytest.mark.timeout(60)
+def test_prompts_that_do_not_fit_are_refused(lite):
+    with pytest.raises(UserError, match="no room"):
+        lite["float"].generate(list(range(T)), 4)
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        lite["float"].generate([1, TINY.vocab_size], 4)

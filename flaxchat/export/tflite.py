@@ -184,6 +184,7 @@ class TFLiteModel:
         self._decode = self.interpreter.get_signature_runner("decode")
         self.seq_len = int(self._forward.get_input_details()["tokens"]["shape"][1])
         self.prefill_len = int(self._prefill.get_input_details()["tokens"]["shape"][1])
+        self.vocab_size = int(self._prefill.get_output_details()["logits"]["shape"][-1])
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         return self._forward(tokens=np.asarray(tokens, np.int32))["logits"]
@@ -192,6 +193,8 @@ class TFLiteModel:
         n = len(prompt)
         if not 1 <= n <= self.prefill_len:
             raise UserError(f"a prompt of {n} tokens does not fit the prefill length {self.prefill_len} of this model.")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise UserError(f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size}).")
         tokens = np.zeros((1, self.prefill_len), np.int32)
         tokens[0, :n] = prompt
         return self._prefill(tokens=tokens, length=np.array([n], np.int32))
@@ -202,6 +205,8 @@ class TFLiteModel:
 
     def generate(self, prompt: list[int], max_new: int) -> tuple[list[int], float]:
         """Greedy continuation (at most up to the context); returns (tokens, decode tokens/second)."""
+        if len(prompt) >= self.seq_len:
+            raise UserError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.seq_len}-token cache.")
         state = self.prefill(prompt)
         out, t0 = [], time.perf_counter()
         for pos in range(len(prompt), min(self.seq_len, len(prompt) + max_new)):
