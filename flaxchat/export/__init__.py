@@ -51,16 +51,17 @@ def export_model(model_or_cfg, out_dir: str, params: dict | None = None, step: i
 
 
 def export_run(run_dir: str, out_dir: str | None = None, step: int | None = None,
-               seq_len: int | None = None, platforms: tuple[str, ...] = ("cpu",)) -> dict[str, str]:
+               seq_len: int | None = None, platforms: tuple[str, ...] = ("cpu",),
+               tokenizer_dir: str | None = None) -> dict[str, str]:
     """Export a training run's latest finished checkpoint (default into <run_dir>/export).
 
-    Also copies the run's tokenizer folder beside the files (an app needs it to encode prompts).
-    Returns {"pkl", "npz", "stablehlo", "mlir"[, "tokenizer"]} -> path.
+    Also copies the tokenizer folder (default <run_dir>/tokenizer) beside the files: an app needs
+    it to encode prompts. Returns {"pkl", "npz", "stablehlo", "mlir"[, "tokenizer"]} -> path.
     """
     cfg, params, step = read_checkpoint(run_dir, step)
     out_dir = out_dir or os.path.join(run_dir, "export")
     paths = export_model(cfg, out_dir, params=params, step=step, seq_len=seq_len, platforms=platforms)
-    tok = os.path.join(run_dir, "tokenizer")
+    tok = tokenizer_dir or os.path.join(run_dir, "tokenizer")
     if os.path.isdir(tok):
         dest = os.path.join(out_dir, "tokenizer")
         tmp = f"{dest}.tmp-{os.getpid()}"
