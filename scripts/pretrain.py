@@ -57,7 +57,8 @@ def run(tc: TrainConfig) -> dict:
     from flaxchat import sharding
     from flaxchat.common import allgather_json, compute_init, device_peak_flops, fmt_duration, global_batch, peak_rss_mb, print0
     from flaxchat.config import GPTConfig, config_for_depth, save_json
-    from flaxchat.data.loader import PackingLoader
+    from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
+    from flaxchat.data.prefetch import Prefetcher
     from flaxchat.data.sources import resolve_source
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
@@ -150,24 +151,25 @@ def run(tc: TrainConfig) -> dict:
     if meta is not None:
         step = checkpointer.restore(model, optimizer, resume_step)["step"]
         states = meta.get("loader_states") or []
-        if len(states) == compute.device_count:
+        if states and len(states) != compute.device_count:
+            print0(f"data: the checkpoint has {len(states)} data reader(s), this job {compute.device_count}; "
+                   "resharding (no document skipped, about one row group per old reader seen twice)")
+            states = reshard_states(states, compute.device_count, train_src)  # the same on every process
+        if states:
             for s, loader in zip(local_shards, loaders):
                 loader.load_state_dict(states[s])
         else:
-            print0(f"warning: the checkpoint was written with {len(states)} data shard(s), this job has "
-                   f"{compute.device_count}; the data order restarts from the beginning.")
+            print0("warning: the checkpoint has no data loader states; the data order restarts.")
         print0(f"resumed from step {step} in {ckpt_dir}")
+    # A background thread packs the next batches while the device trains on this one.
+    batches = Prefetcher(LoaderGroup(loaders, grad_accum), depth=2)
 
     def next_batch():
-        xs, ys = [], []
-        for _ in range(grad_accum):
-            pairs = [ld.next_batch() for ld in loaders]
-            xs.append(np.concatenate([p[0] for p in pairs]))
-            ys.append(np.concatenate([p[1] for p in pairs]))
-        return global_batch(compute, np.stack(xs)), global_batch(compute, np.stack(ys))
+        x, y = batches.next_batch()  # (grad_accum, local rows, T) numpy
+        return global_batch(compute, x), global_batch(compute, y)
 
     def loader_meta():
-        local = {s: ld.state_dict() for s, ld in zip(local_shards, loaders)}
+        local = dict(zip(local_shards, batches.state_dict()))
         merged = {}
         for part in allgather_json({str(k): v for k, v in local.items()}):
             merged.update(part)
@@ -194,6 +196,9 @@ def run(tc: TrainConfig) -> dict:
         return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
 
     metrics = MetricsLog(os.path.join(tc.run_dir, "metrics.jsonl"))
+    complete_marker = os.path.join(tc.run_dir, "COMPLETE")
+    if compute.is_main and step < steps and os.path.exists(complete_marker):
+        os.remove(complete_marker)  # our own marker of an earlier, shorter run: this one is not done
     if compute.is_main:
         save_json(os.path.join(tc.run_dir, "config.json"), dict(model=model_cfg.to_dict(), train=tc.to_dict(),
                   steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
@@ -241,6 +246,7 @@ def run(tc: TrainConfig) -> dict:
         if tokens_window == 0:
             t_window = time.time()  # evaluation, sampling and saving are not training time
     checkpointer.close()
+    batches.close()
     train_seconds = time.time() - t_loop
 
     # --- samples, report, completion marker -------------------------------------------------------
@@ -265,7 +271,7 @@ def run(tc: TrainConfig) -> dict:
             ("Samples", [s.replace("\n", " ") for s in samples]),
             ("Config", model_cfg.to_dict()),
         ])
-        save_json(os.path.join(tc.run_dir, "COMPLETE"), summary)
+        save_json(complete_marker, summary)
         print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val bpb {last_bpb}; "
                f"report {os.path.join(tc.run_dir, 'report.md')}")
     summary["samples"] = samples
