@@ -75,7 +75,10 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
         if "model_config" not in meta:
             raise UserError(f"the checkpoint in {paths.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
         cfg = GPTConfig.from_dict(meta["model_config"])
-        model = GPT(dataclasses.replace(cfg, grad_checkpoint=False), rngs=nnx.Rngs(0), dtype=resolve_dtype("auto"))
+        cfg = dataclasses.replace(cfg, grad_checkpoint=False)
+        # Abstract parameters (shapes only): restoring fills them, so no time goes into a random
+        # initialisation that is thrown away (~1 s per op-by-op init on a small CPU).
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
         meta = ckpt.restore(model, step=paths.step)
     finally:
         ckpt.close()
@@ -98,3 +101,37 @@ def save_run(run_dir: str | os.PathLike, model, tokenizer=None, step: int = 0, m
     if tokenizer is not None:
         tokenizer.save(run_dir / "tokenizer")
     return run_dir
+
+
+# --- chat helpers shared by scripts.chat_cli and scripts.chat_web ----------------------------------
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt ids for the assistant's next reply to `messages` (user/assistant turns, user last)."""
+    if not messages or messages[-1].get("role") != "user":
+        raise UserError("the conversation must end with a user message.")
+    return tokenizer.render_for_completion({"messages": list(messages) + [{"role": "assistant", "content": ""}]})
+
+
+def stream_text(engine, tokenizer, prompt: list[int], **kwargs):
+    """Yield the reply's text piece by piece as tokens arrive (first sample only), ending at the
+    stop token. Pieces never split a UTF-8 character: a token that ends mid-character waits for the
+    next one. The reply's token ids are in `.tokens` of the returned generator's final value."""
+    ids: list[int] = []
+    shown = 0
+    stop = set(engine.stop_tokens())
+    for column, forced in engine.generate(prompt, 1, **kwargs):
+        tok = column[0]
+        if tok is None or (tok in stop and not forced[0]):
+            break
+        ids.append(tok)
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd"):
+            continue
+        if len(text) > shown:
+            yield text[shown:]
+            shown = len(text)
+    text = tokenizer.decode(ids)
+    if len(text) > shown:
+        yield text[shown:]
+    return ids

@@ -1,0 +1,91 @@
+"""Chat with a trained model in the terminal: multi-turn, replies streamed as they are written.
+
+    python -m scripts.chat_cli --run-dir runs/tinystories            # interactive
+    python -m scripts.chat_cli --run-dir runs/tinystories -p "Hello"  # one prompt, one reply
+
+`--run-dir` also takes a checkpoints folder or one step folder. Type `clear` to start a new
+conversation, `quit` (or Ctrl-D) to leave. The model may call its Python tool; the engine runs it
+(calculator, else the sandbox) and the output appears in the reply.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from flaxchat.config import ArgumentParser
+from flaxchat.errors import UserError, cli_main
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(prog="python -m scripts.chat_cli", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", "-i", required=True, help="run folder, its checkpoints/ folder, or a checkpoints/<step> folder")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit")
+    p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 for greedy (default: 0.6)")
+    p.add_argument("-k", "--top-k", type=int, default=50, help="sample among the k likeliest tokens, 0 for all (default: 50)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
+    p.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tools", action="store_true", help="do not run the model's Python tool calls")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("the prompt given with -p is empty; write something to say to the model.")
+
+    # --- model, tokenizer, engine ---------------------------------------------------------------
+    from flaxchat.engine import Engine, make_sampling
+    from flaxchat.loading import chat_prompt, load_model, stream_text
+    make_sampling(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
+    model, tokenizer, meta = load_model(args.run_dir, args.step)
+    engine = Engine(model, tokenizer, tools=not args.no_tools)
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+    def reply(messages, turn) -> str:
+        pieces = []
+        for piece in stream_text(engine, tokenizer, chat_prompt(tokenizer, messages), seed=args.seed + turn, **sampling):
+            print(piece, end="", flush=True)
+            pieces.append(piece)
+        print(flush=True)
+        return "".join(pieces)
+
+    # --- one prompt ----------------------------------------------------------------------------
+    if args.prompt is not None:
+        reply([{"role": "user", "content": args.prompt}], 0)
+        return 0
+
+    # --- conversation loop ---------------------------------------------------------------------
+    print(f"chatting with {args.run_dir} (step {meta.get('step')}, {model.config.n_layer} layers, "
+          f"context {model.config.sequence_len} tokens). 'clear' starts over, 'quit' or Ctrl-D leaves.")
+    messages: list[dict] = []
+    turn = 0
+    while True:
+        try:
+            text = input("\nUser: ").strip()
+        except EOFError:
+            print()
+            return 0
+        if text.lower() in ("quit", "exit"):
+            return 0
+        if text.lower() == "clear":
+            messages = []
+            print("(new conversation)")
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        print("Assistant: ", end="", flush=True)
+        try:
+            answer = reply(messages, turn)
+        except UserError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+            messages.pop()
+            print(f"\nerror: {e} Type 'clear' to start a new conversation.", flush=True)
+            continue
+        messages.append({"role": "assistant", "content": answer})
+        turn += 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
