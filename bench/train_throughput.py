@@ -108,4 +108,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from flaxchat.errors import reexec_with_hugepages
+    reexec_with_hugepages()
     main()

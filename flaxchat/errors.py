@@ -28,3 +28,22 @@ def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
         print("interrupted", file=sys.stderr)
         return 130
     return int(result) if isinstance(result, int) else 0
+
+
+def reexec_with_hugepages() -> None:
+    """Restart this process once with glibc's transparent huge pages for malloc.
+
+    XLA:CPU allocates fresh large buffers every step; with 4 KiB pages each one page-faults in. With
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 a 2K-token train step ran 19% faster on a 2-core machine
+    (field notes). The tunable is read at process start, hence the re-exec; it is skipped when the
+    user set GLIBC_TUNABLES, off Linux, or with FLAXCHAT_NO_HUGEPAGES=1.
+    """
+    import os
+    if (not sys.platform.startswith("linux") or "GLIBC_TUNABLES" in os.environ
+            or os.environ.get("FLAXCHAT_NO_HUGEPAGES") == "1" or not getattr(sys, "orig_argv", None)):
+        return
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:
+        return  # could not re-exec: run as we are

@@ -18,7 +18,7 @@ import sys
 import time
 
 from flaxchat.config import ArgumentParser, TrainConfig, add_dataclass_args, dataclass_from_args
-from flaxchat.errors import UserError, cli_main
+from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
 
 HELP = {
     "run_dir": "folder for checkpoints, report, plot and samples",
@@ -297,4 +297,5 @@ def _local_shard_indices(compute) -> list[int]:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(cli_main(main))

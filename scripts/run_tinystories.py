@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from flaxchat.errors import cli_main
+from flaxchat.errors import cli_main, reexec_with_hugepages
 from scripts import pretrain
 
 DEFAULTS = dict(
@@ -40,4 +40,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_hugepages()
     sys.exit(cli_main(main))
