@@ -131,33 +131,56 @@ def make_sampling(temperature: float = 1.0, top_k: int | None = None, top_p: flo
     return Sampling(np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p))
 
 
-def _top_k_mask(x, k):
-    kth = jax.lax.dynamic_index_in_dim(jnp.sort(x, axis=-1), x.shape[-1] - k, axis=-1)  # (B, 1)
-    return jnp.where(x < kth, -jnp.inf, x)
+TOP_K_FAST = 128  # top-k up to this many uses lax.top_k on the logits; larger k sorts the vocab
 
 
-def _top_p_mask(x, p):
-    """Keep the smallest set of tokens whose probability reaches p (the most likely one always)."""
-    srt = jnp.sort(x, axis=-1)[:, ::-1]
+def _inverse_cdf(key, x):
+    """One categorical draw per row from logits x (B, N) with ONE uniform number per row: the
+    cumulative sum beats the Gumbel trick's N random numbers per row (threefry is slow on CPU)."""
+    p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    c = jnp.cumsum(p, axis=-1)
+    u = jax.random.uniform(key, (x.shape[0], 1), jnp.float32) * c[:, -1:]
+    return jnp.minimum(jnp.sum(c <= u, axis=-1), x.shape[-1] - 1).astype(jnp.int32)
+
+
+def _nucleus(srt, p):
+    """Mask logits sorted in decreasing order to the smallest prefix whose probability reaches p
+    (the most likely token always stays)."""
     probs = jax.nn.softmax(srt, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
-    keep = before < p
-    cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x < cutoff, -jnp.inf, x)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass ranked above each token
+    return jnp.where(before < p, srt, -jnp.inf)
 
 
 def sample_token(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """logits (B,V) fp32 -> (B,) int32. `lax.cond` runs only the branch in use: the sorts for
-    top-k/top-p cost nothing when they are off, and greedy draws no random numbers."""
+    """logits (B,V) fp32 -> (B,) int32. `lax.cond` runs only the branch in use, so greedy draws no
+    random numbers and only a large top-k or a top-p without top-k pays for a full sort."""
+    V = logits.shape[-1]
+    kf = min(TOP_K_FAST, V)
+
     def greedy(x):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
+    def few(x):  # 0 < top_k <= kf: choose among the top candidates only
+        vals, idx = jax.lax.top_k(x, kf)
+        vals = jnp.where(jnp.arange(kf) < s.top_k, vals, -jnp.inf)
+        vals = jax.lax.cond(s.top_p < 1, lambda v: _nucleus(v, s.top_p), lambda v: v, vals)
+        pick = _inverse_cdf(key, vals)
+        return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    def full(x):  # no top-k, or a large one
+        def filtered(x):
+            srt = jnp.sort(x, axis=-1)[:, ::-1]
+            k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
+            srt = jnp.where(jnp.arange(V) < k, srt, -jnp.inf)
+            srt = jax.lax.cond(s.top_p < 1, lambda v: _nucleus(v, s.top_p), lambda v: v, srt)
+            cutoff = jnp.min(jnp.where(jnp.isfinite(srt), srt, jnp.inf), axis=-1, keepdims=True)
+            return jnp.where(x < cutoff, -jnp.inf, x)
+        x = jax.lax.cond((s.top_k > 0) | (s.top_p < 1), filtered, lambda x: x, x)
+        return _inverse_cdf(key, x)
+
     def stochastic(x):
         x = x / jnp.maximum(s.temperature, 1e-6)
-        k = jnp.clip(s.top_k, 1, x.shape[-1])
-        x = jax.lax.cond(s.top_k > 0, lambda x: _top_k_mask(x, k), lambda x: x, x)
-        x = jax.lax.cond(s.top_p < 1, lambda x: _top_p_mask(x, s.top_p), lambda x: x, x)
-        return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+        return jax.lax.cond((s.top_k > 0) & (s.top_k <= kf), few, full, x)
 
     return jax.lax.cond(s.temperature > 0, stochastic, greedy, logits)
 

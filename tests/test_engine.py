@@ -142,23 +142,32 @@ def test_compiled_once_and_shared_no_retrace_between_calls(model, engine):
 
 
 def test_sampling_filters_and_temperature():
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 50)) * 2, jnp.float32)
+    V = 300  # > TOP_K_FAST: top-k above it takes the sorting path, below it lax.top_k
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, V)) * 2, jnp.float32)
     rows = jnp.repeat(logits, 4000, axis=0)
-    fn = jax.jit(E.sample_token)
+    fn = jax.jit(E.sample_token)  # one compile: the settings are traced
     order = np.argsort(-np.asarray(logits[0]))
+    probs = np.asarray(jax.nn.softmax(logits[0]))
 
     def draw(**kw):
         return np.asarray(fn(rows, jax.random.key(3), E.make_sampling(**kw)))
 
+    def nucleus(p, among=V):
+        q = probs[order[:among]] / probs[order[:among]].sum()
+        return set(order[:np.searchsorted(np.cumsum(q), p) + 1])
+
     assert set(draw(temperature=0.0)) == {order[0]}
     assert set(draw(temperature=1.0, top_k=1)) == {order[0]}
     assert set(draw(temperature=1.0, top_k=3)) == set(order[:3])
-    probs = np.asarray(jax.nn.softmax(logits[0]))
-    nucleus = order[:np.searchsorted(np.cumsum(probs[order]), 0.6) + 1]
-    assert set(draw(temperature=1.0, top_p=0.6)) == set(nucleus)
-    freq = np.bincount(draw(temperature=1.0), minlength=50) / 4000
+    assert set(draw(temperature=1.0, top_p=0.6)) == nucleus(0.6)
+    assert set(draw(temperature=1.0, top_k=20, top_p=0.5)) == nucleus(0.5, 20)
+    big = draw(temperature=1.0, top_k=200)
+    assert set(big) <= set(order[:200]) and len(set(big)) > 50
+    freq = np.bincount(draw(temperature=1.0), minlength=V) / 4000
     assert np.abs(freq - probs).max() < 0.03  # temperature 1 samples the model's distribution
-    hot = np.bincount(draw(temperature=5.0), minlength=50)
+    top10 = np.bincount(draw(temperature=1.0, top_k=10), minlength=V)[order[:10]] / 4000
+    assert np.abs(top10 - probs[order[:10]] / probs[order[:10]].sum()).max() < 0.03
+    hot = np.bincount(draw(temperature=5.0), minlength=V)
     assert (hot > 0).sum() > (freq > 0).sum()  # a hotter temperature spreads the choice
 
 
