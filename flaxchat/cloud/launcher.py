@@ -214,8 +214,7 @@ class TPULauncher(RemoteRunner):
         n, table = len(node.get("networkEndpoints", [])), topology_for(c.accelerator_type).workers
         if n != table:
             self.say(f"note: the VM has {n} worker(s); the topology table says {table}; using {n}")
-        self._record(setup_hash=None if self.remembered().get("created") != node.get("createTime")
-                     else self.remembered().get("setup_hash"), created=node.get("createTime"))
+        self._record(created=node.get("createTime"))
         self.say(f"TPU VM {c.tpu_name} is READY with {n} worker(s)")
         return node
 
@@ -274,8 +273,7 @@ class TPULauncher(RemoteRunner):
             self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
         self._ssh(g.unpack_command(), timeout=600)
         self.say(f"installing on {n} worker(s): {install}")
-        self._ssh(g.install_command(digest, install), timeout=3600)
-        self._record(setup_hash=digest)
+        self._ssh(g.install_command(digest, install), timeout=3600)  # the workers' marker is the truth
 
     # --- run / stop / status ----------------------------------------------------------------------
 
