@@ -71,8 +71,9 @@ def cpu_env(devices: int, **extra) -> dict:
 
 
 def cache_env() -> dict:
-    return {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    """The session's cache (tests/conftest.py sets one) or ours; every run and worker uses the same."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", JAX_CACHE),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 def coordinator_env(port: int, n: int, i: int) -> dict:
