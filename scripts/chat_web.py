@@ -245,11 +245,11 @@ def main(argv=None) -> int:
     from flaxchat.engine import Engine
     from flaxchat.loading import load_model
 
+    sock = listen(args.host, args.port)  # a taken port fails before the model loads
     model, tokenizer, meta = load_model(args.run_dir, args.step)
     engine = Engine(model, tokenizer, tools=not args.no_tools)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     app = create_app(engine, tokenizer, slots=args.slots, limits=limits, name=f"{args.run_dir} step {meta.get('step')}")
-    sock = listen(args.host, args.port)
     if args.warmup:  # compile the common shapes now, in the background, so /health answers at once
         threading.Thread(target=warm_up, args=(engine, tokenizer, app, limits.default_max_tokens), daemon=True).start()
     print(f"serving {args.run_dir} (step {meta.get('step')}) on http://{args.host}:{sock.getsockname()[1]} "

@@ -1,0 +1,92 @@
+"""scripts.chat_cli: one prompt, a multi-turn session, and every user mistake as one sentence.
+
+The model is random (TINY's architecture, so the engine's compiled functions are shared with
+test_engine in one pytest run) with a real 512-token tokenizer, saved as a run folder.
+"""
+
+from __future__ import annotations
+
+import builtins
+import subprocess
+import sys
+
+import pytest
+
+from flaxchat.errors import cli_main
+from flaxchat.loading import load_model, save_run
+from scripts import chat_cli
+from test_engine import nonzero_model
+
+
+def typing(monkeypatch, lines):
+    """Replace input(): echo the prompt, hand out `lines`, then Ctrl-D (EOFError)."""
+    it = iter(lines)
+
+    def fake(prompt=""):
+        print(prompt, end="")
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr(builtins, "input", fake)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.tokenizer import Tokenizer
+    tok = Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], 512, max_chars=200_000)
+    return save_run(tmp_path_factory.mktemp("chat") / "run", nonzero_model(seed=3), tok, step=7)
+
+
+def test_load_model_finds_run_checkpoints_and_step_folders(run_dir):
+    for path in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "7"):
+        model, tok, meta = load_model(path)
+        assert meta["step"] == 7 and tok.vocab_size == model.config.vocab_size == 512
+
+
+def test_one_prompt_streams_a_reply(run_dir, capsys):
+    rc = cli_main(chat_cli.main, ["--run-dir", str(run_dir), "-p", "Hello there!", "--max-tokens", "12", "-t", "0"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.strip() and "Traceback" not in out.err
+
+
+def test_interactive_multi_turn_session(run_dir, capsys, monkeypatch):
+    typing(monkeypatch, ["Hi!", "", "Tell me more.", "clear", "A new start.", "quit"])
+    rc = cli_main(chat_cli.main, ["--run-dir", str(run_dir), "--max-tokens", "8", "-k", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("Assistant: ") == 3 and "(new conversation)" in out
+
+
+def test_a_conversation_that_outgrows_the_context_says_so_and_goes_on(run_dir, capsys, monkeypatch):
+    typing(monkeypatch, ["word " * 80, "Hi!"])  # 80 words > the 64-token context
+    rc = cli_main(chat_cli.main, ["--run-dir", str(run_dir), "--max-tokens", "4"])  # ends at EOF
+    out = capsys.readouterr().out
+    assert rc == 0 and "context holds 64" in out and "'clear'" in out
+    assert out.count("Assistant: ") == 2  # the second message still got its reply
+
+
+@pytest.mark.parametrize("args,words", [
+    (["-p", "   "], "empty"),
+    (["-p", "hi", "-t", "-1"], "temperature"),
+    (["-p", "hi", "--top-p", "2"], "top_p"),
+    (["-p", "hi", "--step", "99"], "step 99"),
+    (["-p", "hi", "--bogus"], "unrecognized"),
+])
+def test_mistakes_are_one_sentence(run_dir, capsys, args, words):
+    rc = cli_main(chat_cli.main, ["--run-dir", str(run_dir)] + args)
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(120)
+def test_unknown_checkpoint_from_the_real_command(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "scripts.chat_cli", "--run-dir", str(tmp_path / "nope"), "-p", "hi"],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 2 and "no run folder or checkpoint" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_folder_without_checkpoints(tmp_path, capsys):
+    assert cli_main(chat_cli.main, ["--run-dir", str(tmp_path), "-p", "hi"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
