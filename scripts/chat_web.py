@@ -75,7 +75,8 @@ def parse_request(body: bytes, limits: Limits) -> dict:
     out = dict(messages=[{"role": m["role"], "content": m["content"]} for m in messages])
     for name, kind, lo, hi, default in (("temperature", (int, float), 0.0, 2.0, limits.temperature),
                                         ("top_k", int, 0, 1000, limits.top_k),
-                                        ("max_tokens", int, 1, limits.max_tokens, limits.default_max_tokens)):
+                                        ("max_tokens", int, 1, limits.max_tokens,
+                                         min(limits.default_max_tokens, limits.max_tokens))):
         value = data.get(name, default)
         if value is None:
             value = default
@@ -98,7 +99,8 @@ class SlotPool:
         self.served = 0
 
     def full(self) -> bool:
-        return self.waiting >= self.max_queue
+        """Every slot busy and `max_queue` requests already waiting."""
+        return self.busy + self.waiting >= self.slots + self.max_queue
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,362 @@
+"""scripts.chat_web for real: a uvicorn server on 127.0.0.1, streamed replies, multi-turn, bad
+requests as 400 with a reason, the queue, a tool call that never ends, a client that leaves; then
+(slow) headless Chromium typing into the page, and 20 concurrent conversations.
+
+The browser is driven over the Chrome DevTools protocol with websocket-client (already a
+dependency), so nothing is downloaded: Debian's chromium is enough.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from flaxchat.engine import Engine
+from flaxchat.loading import save_run
+from scripts import chat_web
+from test_engine import nonzero_model, scripted_model, tool_chain
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.tokenizer import Tokenizer
+    return Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], 512, max_chars=200_000)
+
+
+class Server:
+    """uvicorn in a thread of this process, on a socket bound to a free port."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
+        self.thread.start()
+        wait_healthy(self.url)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+def wait_healthy(url, timeout=60.0, warm=False):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            h = requests.get(url + "/health", timeout=2).json()
+            if not warm or h.get("warm"):
+                return h
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never became healthy")
+
+
+def chat(url, messages, **kw):
+    """POST a conversation; returns (status, reply text, events) reading the event stream."""
+    r = requests.post(url + "/chat/completions", data=json.dumps(dict(messages=messages, **kw)), stream=True, timeout=120)
+    if r.status_code != 200:
+        return r.status_code, None, r.json()
+    events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    return 200, "".join(e.get("token", "") for e in events), events
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    app = chat_web.create_app(Engine(nonzero_model(seed=5), tokenizer), tokenizer, slots=2,
+                              limits=chat_web.Limits(max_messages=6, max_message_chars=200, max_tokens=40))
+    srv = Server(app)
+    yield srv
+    srv.stop()
+
+
+# --- in-process server ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_health_and_page(server):
+    h = requests.get(server.url + "/health", timeout=5).json()
+    assert h["status"] == "ok" and h["slots"] == 2 and h["context"] == 64
+    page = requests.get(server.url + "/", timeout=5)
+    assert page.status_code == 200 and 'id="input"' in page.text and "/chat/completions" in page.text
+
+
+@pytest.mark.timeout(120)
+def test_streamed_reply_and_multi_turn(server):
+    status, text, events = chat(server.url, [{"role": "user", "content": "Hello!"}], max_tokens=12, temperature=0.0)
+    assert status == 200 and events[-1] == {"done": True}
+    assert sum("token" in e for e in events) >= 2 and text  # several pieces, in order
+    again = chat(server.url, [{"role": "user", "content": "Hello!"}], max_tokens=12, temperature=0.0)[1]
+    assert again == text  # greedy is deterministic across requests
+    history = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": text[:40]},
+               {"role": "user", "content": "And then?"}]
+    status, text2, events = chat(server.url, history, max_tokens=8)
+    assert status == 200 and events[-1] == {"done": True}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("body,words", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ("{}", "'messages'"),
+    ('{"messages": []}', "'messages'"),
+    ('{"messages": [{"role": "system", "content": "x"}]}', "role"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "string content"),
+    ('{"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}', "alternate"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}', "last message"),
+    ('{"messages": [{"role": "user", "content": "   "}]}', "empty"),
+    ('{"messages": [{"role": "user", "content": "' + "x" * 201 + '"}]}', "limit is 200"),
+    (json.dumps({"messages": [{"role": r, "content": "hi"} for r in ["user", "assistant"] * 3 + ["user"]]}), "at most 6"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "'temperature'"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', "'max_tokens'"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_k": -3}', "'top_k'"),
+    ('{"messages": [{"role": "user", "content": "' + "a1 " * 66 + '"}]}', "context"),  # >64 tokens
+])
+def test_bad_requests_get_400_with_a_reason_and_the_server_stays_up(server, body, words):
+    r = requests.post(server.url + "/chat/completions", data=body, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"], r.text
+    assert requests.get(server.url + "/health", timeout=5).json()["status"] == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_leaves_frees_its_slot(server):
+    r = requests.post(server.url + "/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40},
+                      stream=True, timeout=30)
+    next(r.iter_lines())
+    r.close()
+    deadline = time.monotonic() + 20
+    while requests.get(server.url + "/health", timeout=5).json()["busy"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert requests.get(server.url + "/health", timeout=5).json()["busy"] == 0
+    assert chat(server.url, [{"role": "user", "content": "Still there?"}], max_tokens=4)[0] == 200
+
+
+@pytest.mark.timeout(180)
+def test_a_tool_call_that_never_ends_is_cut_and_requests_queue(tokenizer):
+    """The scripted model writes <|python_start|>while 1:0<|python_end|>: the sandbox times out and
+    the reply says so. One slot, one queue place: a second request waits, a third gets 503."""
+    call, after = tool_chain(tokenizer, "while 1:0")
+    engine = Engine(scripted_model(call + after), tokenizer, tool_timeout=1.5)
+    srv = Server(chat_web.create_app(engine, tokenizer, slots=1, limits=chat_web.Limits(max_queue=1)))
+    try:
+        msgs = [{"role": "user", "content": "loop"}]
+        first = {}
+        t = threading.Thread(target=lambda: first.update(r=chat(srv.url, msgs, temperature=0.0)))
+        t.start()
+        wait_for(srv.url, busy=1)
+        second = {}
+        t2 = threading.Thread(target=lambda: second.update(r=chat(srv.url, msgs, temperature=0.0)))
+        t2.start()
+        wait_for(srv.url, queued=1)
+        status, _, body = chat(srv.url, msgs)
+        assert status == 503 and "busy" in body["error"]
+        t.join(60)
+        t2.join(60)
+        for r in (first["r"], second["r"]):
+            assert r[0] == 200 and "timed out" in r[1] and r[2][-1] == {"done": True}, r
+        assert any("queued" in e for e in second["r"][2])  # the waiting client was told
+        assert requests.get(srv.url + "/health", timeout=5).json()["served"] == 2
+    finally:
+        srv.stop()
+
+
+def wait_for(url, timeout=30, **want):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = requests.get(url + "/health", timeout=5).json()
+        if all(h[k] == v for k, v in want.items()):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"health never showed {want}")
+
+
+# --- the real command, a browser, many users (slow) -----------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer):
+    """`python -m scripts.chat_web` in its own process, on a random run (or FLAXCHAT_WEB_RUN_DIR)."""
+    run_dir = os.environ.get("FLAXCHAT_WEB_RUN_DIR") or str(
+        save_run(tmp_path_factory.mktemp("web") / "run", nonzero_model(seed=9), tokenizer))
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("weblog") / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--run-dir", run_dir, "--port", str(port),
+                             "--slots", "2", "--default-max-tokens", "24"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=150, warm=True)
+        yield url, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.seek(0)
+        print(log.read()[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_twenty_concurrent_conversations_all_complete(served):
+    url, _ = served
+    done = {}
+
+    def conversation(i):
+        messages = [{"role": "user", "content": f"Hello, I am user {i}."}]
+        for turn in range(2):
+            status, text, events = chat(url, messages, max_tokens=10, temperature=0.8)
+            assert status == 200 and events[-1] == {"done": True}, (i, turn, status, events)
+            messages += [{"role": "assistant", "content": text[:30]}, {"role": "user", "content": "Go on."}]
+        done[i] = True
+
+    errors = []
+    threads = [threading.Thread(target=lambda i=i: _catch(errors, conversation, i)) for i in range(20)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors[:3]
+    assert sorted(done) == list(range(20))
+    h = requests.get(url + "/health", timeout=5).json()
+    assert h["served"] >= 40 and h["busy"] == 0 and h["queued"] == 0
+    print(f"20 conversations x 2 turns in {time.monotonic() - t0:.1f} s")
+
+
+def _catch(errors, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # collected and reported by the test, not lost in a thread
+        errors.append(repr(e))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_taken_port_is_one_sentence(served):
+    _, port = served
+    out = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--run-dir", "unused", "--port", str(port)],
+                         cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 2 and "cannot listen" in out.stderr and "Traceback" not in out.stderr
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+class DevTools:
+    """The few Chrome DevTools protocol calls the test needs, over one page's websocket."""
+
+    def __init__(self, ws_url):
+        import websocket
+        self.ws = websocket.create_connection(ws_url, timeout=60, suppress_origin=True)
+        self.n = 0
+
+    def __call__(self, method, **params):
+        self.n += 1
+        self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.n:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def js(self, expr):
+        res = self("Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True)
+        return res["result"].get("value")
+
+    def until(self, expr, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.js(expr):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(expr)
+
+    def press_enter(self):
+        key = dict(key="Enter", code="Enter", windowsVirtualKeyCode=13, nativeVirtualKeyCode=13)
+        self("Input.dispatchKeyEvent", type="keyDown", text="\r", **key)
+        self("Input.dispatchKeyEvent", type="keyUp", **key)
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium chromium-driver)")
+    profile = tmp_path / "profile"
+    proc = subprocess.Popen([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                             "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+                             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                             "--remote-debugging-port=0", "--remote-allow-origins=*", f"--user-data-dir={profile}",
+                             "--window-size=900,640", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        pages = [t for t in requests.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json() if t["type"] == "page"]
+        yield DevTools(pages[0]["webSocketDebuggerUrl"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_page_in_headless_chromium_streams_a_reply(served, browser, tmp_path):
+    url, _ = served
+    browser("Page.enable")
+    browser("Page.navigate", url=url + "/")
+    browser.until("document.readyState === 'complete' && !!document.getElementById('input')")
+    # Record every change of the reply bubble while it is being written.
+    browser.js("""window.updates = [];
+      new MutationObserver(() => { const b = [...document.querySelectorAll('.assistant')].pop();
+        if (b) window.updates.push([performance.now(), b.textContent.length, b.classList.contains('streaming')]); })
+        .observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true}); true""")
+    for turn, message in enumerate(["Hello! Tell me a story.", "What happened next?"]):
+        browser.js("document.getElementById('input').focus()")
+        browser("Input.insertText", text=message)  # typed like a user, then Enter
+        browser.press_enter()
+        browser.until(f"document.querySelectorAll('.assistant').length === {turn + 1} && "
+                      "!document.querySelector('.assistant.streaming') && !document.getElementById('send').disabled")
+    users = browser.js("[...document.querySelectorAll('.user')].map(e => e.textContent)")
+    replies = browser.js("[...document.querySelectorAll('.assistant')].map(e => e.textContent)")
+    assert users == ["Hello! Tell me a story.", "What happened next?"]
+    assert all(r and not r.startswith("(waiting") for r in replies), replies
+    assert not browser.js("document.querySelector('.error')")
+    growing = {n for _, n, streaming in browser.js("window.updates") if streaming and n > 0}
+    assert len(growing) >= 3  # the first reply appeared piece by piece, not at once
+    shot = base64.b64decode(browser("Page.captureScreenshot", format="png")["data"])
+    (tmp_path / "chat_web.png").write_bytes(shot)
+    if os.environ.get("FLAXCHAT_SAVE_SCREENSHOT"):
+        (REPO / "docs" / "chat_web.png").write_bytes(shot)
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 5000
