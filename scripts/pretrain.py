@@ -251,7 +251,7 @@ def run(tc: TrainConfig) -> dict:
 
     # --- samples, report, completion marker -------------------------------------------------------
     samples = stories()
-    summary = dict(step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
+    summary = dict(is_main=compute.is_main, step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
                    train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=os.path.abspath(tc.run_dir))
     if compute.is_main:
         print0("\n--- sampled stories ---")

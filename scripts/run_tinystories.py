@@ -11,6 +11,7 @@ Run it again with the same --run-dir and it resumes where it stopped.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from flaxchat.errors import cli_main, reexec_with_hugepages
@@ -34,9 +35,23 @@ DEFAULTS = dict(
 
 
 def main(argv=None) -> int:
-    cfg = pretrain.parse_args(argv, DEFAULTS, description=__doc__)
-    pretrain.run(cfg)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    export = "--no-export" not in argv  # export model.pkl / weights.npz / model.stablehlo by default
+    argv = [a for a in argv if a not in ("--export", "--no-export")]
+    cfg = pretrain.parse_args(argv, DEFAULTS, description=__doc__ + EXPORT_HELP)
+    summary = pretrain.run(cfg)
+    if export and summary.get("is_main", True):
+        from flaxchat.export import export_run
+        paths = export_run(cfg.run_dir, tokenizer_dir=cfg.tokenizer_dir or None)
+        print(f"exported: {', '.join(os.path.relpath(p, cfg.run_dir) for p in paths.values())} "
+              f"in {os.path.join(cfg.run_dir, 'export')}", flush=True)
     return 0
+
+
+EXPORT_HELP = """
+At the end the run is exported into <run-dir>/export (model.pkl, weights.npz, model.stablehlo,
+model.mlir, tokenizer/); --no-export skips that.
+"""
 
 
 if __name__ == "__main__":

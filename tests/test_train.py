@@ -111,6 +111,8 @@ def test_run_tinystories_loss_falls_and_writes_the_run_folder(tmp_path):
     assert open(run / "loss.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "![loss](loss.png)" in (run / "report.md").read_text()
     assert len((run / "samples.txt").read_text().split()) > 20
+    for name in ("model.pkl", "weights.npz", "model.stablehlo", "model.mlir", "tokenizer"):
+        assert (run / "export" / name).exists(), name  # exported by default
 
 
 def _main(argv, capsys):
