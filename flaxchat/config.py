@@ -145,6 +145,7 @@ class TrainConfig:
     seed: int = 0
     fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
     grad_checkpoint: bool = False
+    init_from: str = ""  # model.pkl / weights.npz / run folder to start from (ignored when resuming)
     tokenizer_dir: str = ""  # default: <run_dir>/tokenizer, trained on --data if absent
     max_chars_tokenizer: int = 20_000_000
     num_samples: int = 3

@@ -27,6 +27,7 @@ HELP = {
     "steps": "optimizer steps; -1 derives them from --param-data-ratio",
     "device_batch_size": "rows per micro-batch per device",
     "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: one micro-batch per device",
+    "init_from": "start from these weights (model.pkl, weights.npz or a run folder); ignored when resuming",
     "fresh": "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, not deleted)",
 }
 SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
@@ -105,6 +106,10 @@ def run(tc: TrainConfig) -> dict:
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
     model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype)
+    if tc.init_from and meta is None:
+        from flaxchat.export import load_params_into
+        at = load_params_into(model, tc.init_from)
+        print0(f"initialised from {tc.init_from} (exported at step {at})")
     n_params, n_matmul = param_count(model), matmul_param_count(model)
     flops_per_token = estimate_flops(model)
     print0(f"model: depth {model_cfg.n_layer}, width {model_cfg.n_embd}, {model_cfg.n_head} heads of "
