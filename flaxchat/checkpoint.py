@@ -32,7 +32,7 @@ class Checkpointer:
     """Save/restore of a model + optimizer pair under one directory, one step folder each."""
 
     def __init__(self, directory: str, max_to_keep: int | None = 2, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+        self.directory = directory if "://" in directory else os.path.abspath(directory)  # gs:// stays as is
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, cleanup_tmp_directories=True, create=True,
             enable_async_checkpointing=async_save)
