@@ -9,6 +9,7 @@ dependency), so nothing is downloaded: Debian's chromium is enough.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import requests
 from flaxchat.engine import Engine
 from flaxchat.loading import save_run
 from scripts import chat_web
-from test_engine import nonzero_model, scripted_model, tool_chain
+from test_engine import TINY, nonzero_model, scripted_model, tool_chain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -200,8 +201,8 @@ def free_port():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer):
     """`python -m scripts.chat_web` in its own process, on a random run (or FLAXCHAT_WEB_RUN_DIR)."""
-    run_dir = os.environ.get("FLAXCHAT_WEB_RUN_DIR") or str(
-        save_run(tmp_path_factory.mktemp("web") / "run", nonzero_model(seed=9), tokenizer))
+    model = nonzero_model(dataclasses.replace(TINY, sequence_len=256), seed=9)  # room for a few turns
+    run_dir = os.environ.get("FLAXCHAT_WEB_RUN_DIR") or str(save_run(tmp_path_factory.mktemp("web") / "run", model, tokenizer))
     port = free_port()
     log = open(tmp_path_factory.mktemp("weblog") / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--run-dir", run_dir, "--port", str(port),
@@ -295,7 +296,7 @@ class DevTools:
             if self.js(expr):
                 return
             time.sleep(0.05)
-        raise TimeoutError(expr)
+        raise TimeoutError(f"{expr}; the page shows: {self.js('document.body.innerText')!r}")
 
     def press_enter(self):
         key = dict(key="Enter", code="Enter", windowsVirtualKeyCode=13, nativeVirtualKeyCode=13)
@@ -337,6 +338,7 @@ def test_the_page_in_headless_chromium_streams_a_reply(served, browser, tmp_path
     browser("Page.enable")
     browser("Page.navigate", url=url + "/")
     browser.until("document.readyState === 'complete' && !!document.getElementById('input')")
+    browser.js("document.getElementById('max_tokens').value = 24; true")
     # Record every change of the reply bubble while it is being written.
     browser.js("""window.updates = [];
       new MutationObserver(() => { const b = [...document.querySelectorAll('.assistant')].pop();

@@ -1,0 +1,190 @@
+"""Generation speed of the Engine, printed (never asserted): compile time, time to first token,
+batch-1 decode tok/s, batch-8 throughput, recompiles, the roofline bound, speculative decoding.
+
+    python -m bench.generate                                   # config A, random weights
+    python -m bench.generate --main-run runs/a --draft-run runs/b   # + speculative decoding
+
+Config A: 4 layers, n_embd 256, 4 heads, vocab 4096, context 256; a 16-token prompt and 128 new
+tokens. The bound is measured on this machine at the moment of the run (a shared 2-core box: the
+load average is printed with every figure): a jitted 2048^3 matmul for the FLOP/s peak, and the
+same weight matrices as the model streamed as a chain of matrix-vector products for the bytes/s a
+batch-1 decode can reach. Decode is memory-bound: tok/s <= weight-stream rate / bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flaxchat import engine as E
+from flaxchat.common import measured_matmul_peak
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT, matmul_param_count
+
+CONFIG_A = GPTConfig(n_layer=4, n_embd=256, n_head=4, n_kv_head=4, vocab_size=4096, sequence_len=256)
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def random_model(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """Config-shaped model with random numpy weights (speed does not depend on the values)."""
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda l: jnp.asarray(rng.standard_normal(l.shape) * 0.05, jnp.float32), state))
+    return model
+
+
+def weight_stream_rate(model: GPT, steps: int = 128) -> float:
+    """Bytes/s of a decode-shaped loop doing only the model's matrix-vector products (the same
+    matrices, batch 1, inside one fori_loop): the floor any fp32 batch-1 decode here stands on."""
+    mats = [leaf for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param))
+            if path[-1] == "kernel" and "gate" not in ".".join(map(str, path))]
+    head = mats.pop()  # lm_head (d, V) comes last in path order
+    blocks = [m[...] for m in mats]
+    d = blocks[0].shape[0]
+
+    @jax.jit
+    def loop(blocks, head, x):
+        def body(_, x):
+            for i in range(0, len(blocks), 6):  # attn c_k, c_proj, c_q, c_v; mlp c_fc, c_proj
+                ck, cp, cq, cv, fc, fp = blocks[i:i + 6]
+                q, k, v = x @ cq, x @ ck, x @ cv
+                x = x + jnp.tanh(q + jnp.tile(k + v, q.shape[-1] // k.shape[-1])) @ cp
+                x = x + jax.nn.relu(x @ fc) @ fp
+            return x + 1e-3 * (x @ head)[:, :d]
+        return jax.lax.fori_loop(0, steps, body, x)
+
+    x = jnp.ones((1, d), jnp.float32)
+    loop(blocks, head[...], x).block_until_ready()
+    best = min(_timed(lambda: loop(blocks, head[...], x).block_until_ready()) for _ in range(5))
+    nbytes = sum(b.size for b in blocks) * 4 + head[...].size * 4
+    return nbytes * steps / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def decode_run(engine, prompt, new, batch=1, **kw):
+    """(time to first token s, decode tok/s after the first token, tokens) for one call."""
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for column, _ in engine.generate(prompt, batch, new, stop_tokens=(), **kw):
+        if first is None:
+            first = time.perf_counter()
+        n += 1
+    end = time.perf_counter()
+    return first - t0, (n - 1) * batch / max(end - first, 1e-9), n * batch
+
+
+def bench_engine(args) -> None:
+    cfg = CONFIG_A
+    model = random_model(cfg)
+    engine = E.Engine(model)
+    prompt = list(range(1, args.prompt_len + 1))
+    n_matmul = matmul_param_count(model)
+    cache_len = engine.plan(prompt, args.new_tokens)[2]
+    weight_bytes = 4 * n_matmul
+    kv_bytes = 4 * 2 * cfg.n_layer * cfg.n_kv_head * cache_len * cfg.head_dim  # read per row per step
+    flops = 2 * n_matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * cache_len
+    print(f"config A: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
+          f"{n_matmul / 1e6:.2f}M matmul params = {weight_bytes / 1e6:.1f} MB fp32 per token step, "
+          f"{flops / 1e6:.1f} MFLOP/token, cache bucket {cache_len}")
+
+    # --- machine ------------------------------------------------------------------------------
+    peak = measured_matmul_peak()
+    stream = weight_stream_rate(model)
+    print(f"machine now: matmul peak {peak / 1e9:.0f} GFLOP/s, weight stream {stream / 1e9:.1f} GB/s ({load()})")
+    bound = min(peak / flops, stream / (weight_bytes + kv_bytes))
+    print(f"bound, batch 1: min({peak / flops:,.0f} tok/s by FLOPs, {stream / (weight_bytes + kv_bytes):,.0f} tok/s "
+          f"by bytes) = {bound:,.0f} tok/s")
+
+    # --- compile once -----------------------------------------------------------------------------
+    t = time.perf_counter()
+    decode_run(engine, prompt, args.new_tokens, temperature=0.0, chunk=4096)
+    compiled = len(E.compile_log)
+    print(f"compile (prefill + decode loop, first call): {time.perf_counter() - t:.2f} s, "
+          f"{compiled} functions: " + ", ".join(f"{k[1]} {s:.1f} s" for k, s in E.compile_log))
+
+    # --- batch 1 -----------------------------------------------------------------------------------
+    for label, kw in (("greedy", dict(temperature=0.0)), ("temp 0.8 top-k 50", dict(temperature=0.8, top_k=50)),
+                      ("greedy, streamed 16/call", dict(temperature=0.0, chunk=16))):
+        kw.setdefault("chunk", 4096)
+        runs = [decode_run(engine, prompt, args.new_tokens, seed=i, **kw) for i in range(args.repeats)]
+        rates = [r[1] for r in runs]
+        ttft = [r[0] * 1e3 for r in runs]
+        print(f"batch 1, {label}: decode {statistics.median(rates):,.0f} tok/s (best {max(rates):,.0f}), "
+              f"first token {statistics.median(ttft):.1f} ms (best {min(ttft):.1f}), "
+              f"{statistics.median(rates) / bound:.0%} of the bound ({load()})")
+
+    # --- batch 8 -----------------------------------------------------------------------------------
+    decode_run(engine, prompt, args.new_tokens, batch=8, temperature=0.8, top_k=50, chunk=4096)  # compile
+    runs = []
+    for i in range(args.repeats):
+        t = time.perf_counter()
+        _, _, n = decode_run(engine, prompt, args.new_tokens, batch=8, temperature=0.8, top_k=50, seed=i, chunk=4096)
+        runs.append(n / (time.perf_counter() - t))
+    print(f"batch 8, temp 0.8 top-k 50: {statistics.median(runs):,.0f} tok/s end to end (best {max(runs):,.0f}) ({load()})")
+    again = len(E.compile_log) - compiled - 2  # batch 8 compiles its own prefill and loop once
+    print(f"recompiles across {3 * args.repeats + args.repeats + 1} later calls: {again}")
+
+
+def bench_speculative(args) -> None:
+    from flaxchat.loading import load_model
+    main, tok, _ = load_model(args.main_run)
+    draft, _, _ = load_model(args.draft_run, with_tokenizer=False)
+    big, small = E.Engine(main, tok), E.Engine(draft, tok)
+    prompts = [tok.encode(p, prepend=tok.bos_token_id) for p in
+               ("Once upon a time", "The little dog", "One day, a girl named", "In the forest there was")]
+    new = args.new_tokens
+    for p in prompts[:1]:  # compile both paths once
+        big.generate_batch(p, 1, new, temperature=0.0)
+        big.generate_speculative(p, small, new, k=args.k)
+    plain_t = spec_t = 0.0
+    accepted = proposed = tokens = 0
+    for p in prompts:
+        t = time.perf_counter()
+        ref, _ = big.generate_batch(p, 1, new, temperature=0.0)
+        plain_t += time.perf_counter() - t
+        t = time.perf_counter()
+        out, stats = big.generate_speculative(p, small, new, k=args.k)
+        spec_t += time.perf_counter() - t
+        assert out == ref[0], "speculative output differs from greedy"
+        accepted, proposed, tokens = accepted + stats["accepted"], proposed + stats["proposed"], tokens + len(out)
+    print(f"speculative (main {main.config.n_layer}L/{main.config.n_embd}d, draft {draft.config.n_layer}L/"
+          f"{draft.config.n_embd}d, k={args.k}, greedy, {len(prompts)} prompts, {tokens} tokens): acceptance "
+          f"{accepted / max(proposed, 1):.0%}, plain {tokens / plain_t:,.0f} tok/s, speculative "
+          f"{tokens / spec_t:,.0f} tok/s, speed-up {plain_t / spec_t:.2f}x, output identical ({load()})")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--main-run", default=None, help="trained run folder for the speculative benchmark")
+    p.add_argument("--draft-run", default=None, help="smaller run folder with the same tokenizer (the draft)")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per round")
+    args = p.parse_args(argv)
+    bench_engine(args)
+    if args.main_run and args.draft_run:
+        bench_speculative(args)
+    else:
+        print("speculative: pass --main-run and --draft-run (two trained runs sharing a tokenizer) to measure it")
+
+
+if __name__ == "__main__":
+    main()
