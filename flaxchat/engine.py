@@ -18,7 +18,6 @@ Design (measured on a 2-core CPU, see docs/inference.md and FIELD-NOTES "Speed f
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -438,6 +437,8 @@ class Engine:
                             f"main model's ({self.config.vocab_size}); speculative decoding needs the same tokenizer.")
         if draft.config.sequence_len < self.config.sequence_len:
             raise UserError("the draft model's context is shorter than the main model's.")
+        if k < 1:
+            raise UserError(f"k, the draft tokens per round, must be at least 1 (got {k}).")
         prompt, n_max, cache_len, p_len = self.plan(tokens, max_tokens)
         P = len(prompt)
         stop = list(self.stop_tokens() if stop_tokens is None else stop_tokens)
@@ -457,6 +458,7 @@ class Engine:
         rounds, accepted = int(rounds), int(accepted)
         return out, dict(rounds=rounds, accepted=accepted, proposed=rounds * k,
                          acceptance=accepted / max(1, rounds * k), tokens_per_round=len(out) / max(1, rounds))
+
 
 def _queue_forced(state: GenState, queued: dict[int, list[int]], pending: list[int]) -> GenState:
     """Put each row's tool output into the device-side queue the loop feeds from."""
