@@ -26,10 +26,11 @@ from pathlib import Path
 
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotation by name
 
+import flaxchat
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
 
-PAGE = Path(__file__).resolve().parent.parent / "flaxchat" / "web" / "index.html"
+PAGE = Path(flaxchat.__file__).resolve().parent / "web" / "index.html"
 
 
 @dataclasses.dataclass(frozen=True)
