@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import types
 import typing
 from typing import Any, Mapping, Sequence
@@ -210,12 +209,3 @@ def save_json(path, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
-
-
-def scaled_lr_note(n_embd: int) -> float:
-    """AdamW learning rates scale as 1/sqrt(d_model), tuned at 768 (nanochat)."""
-    return (n_embd / 768) ** -0.5
-
-
-def round_up(x: int, m: int) -> int:
-    return int(math.ceil(x / m) * m)

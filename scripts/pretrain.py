@@ -79,11 +79,14 @@ def run(tc: TrainConfig) -> dict:
     val_src = resolve_source(tc.data, split="val", seed=tc.seed)
     print0(f"data: {train_src.name}")
     tok_dir = tc.tokenizer_dir or os.path.join(tc.run_dir, "tokenizer")
+    # Process 0 trains (or loads) the tokenizer; the others load what it saved.
     if compute.is_main:
         tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size,
                                   max_chars=tc.max_chars_tokenizer, log=print0)
     _barrier("tokenizer")
-    tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size, max_chars=tc.max_chars_tokenizer, log=None)
+    if not compute.is_main:
+        tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size,
+                                  max_chars=tc.max_chars_tokenizer, log=None)
     token_bytes = jnp.asarray(tokenizer.token_bytes())
 
     # --- checkpoint: resume or start -----------------------------------------------------------
