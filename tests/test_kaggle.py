@@ -400,16 +400,18 @@ def installed(runner, venv, repo_copy):
 @pytest.mark.timeout(120)
 def test_setup_is_idempotent_and_importable(runner, installed, venv):
     assert installed["changed"] and installed["src"].endswith("flaxchat_remote/src")
-    t0 = time.monotonic()
     again = runner.setup(str(installed["repo"]), install=installed["install"], deps=False,
                          pip_args=["--no-build-isolation"], on_output=quiet)
-    assert again["changed"] is False and time.monotonic() - t0 < 30
+    assert again["changed"] is False
     res = runner.run("import flaxchat, os; print(os.path.realpath(flaxchat.__file__))", on_output=quiet)
     assert res.ok and res.stdout.strip().startswith(os.path.realpath(installed["src"]))
     probe = [str(venv[0]), "-c", "import flaxchat; print(flaxchat.__file__)"]
     out = subprocess.run(probe, capture_output=True, text=True, timeout=60, cwd="/")
     assert out.stdout.strip().startswith(installed["src"])  # a fresh process of the kernel's Python sees it
-    assert subprocess.run([sys.executable, "-c", "import flaxchat"], cwd="/", capture_output=True).returncode != 0
+    # ...and the interpreter running the tests does not: the install stayed inside the kernel's venv
+    mine = subprocess.run([sys.executable, "-c", "import flaxchat; print(flaxchat.__file__)"], cwd="/",
+                          capture_output=True, text=True, timeout=60)
+    assert not mine.stdout.strip().startswith(installed["src"])
 
 
 @pytest.mark.timeout(120)

@@ -346,6 +346,7 @@ class KernelConnection:
         self.subprotocol: str | None = None
         self.connects = 0  # how many times a socket was opened (1 + reconnects)
         self.ws: websocket.WebSocket | None = None
+        self.restarted = False  # the kernel restarted since our last request: wait until it is ready
 
     def connect(self) -> None:
         url = f"{self.address.ws}/api/kernels/{quote(self.kernel_id)}/channels?session_id={self.session_id}"
@@ -540,6 +541,8 @@ def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: fl
         _drain(conn)
         if conn.ws is None:  # nothing was sent yet, so a plain reconnect is safe
             conn.reconnect(rest, deadline)
+        if conn.restarted:
+            _wait_ready(conn, rest, deadline)
         try:
             conn.send(msg)
             reattached = False
@@ -571,6 +574,28 @@ def _drain(conn: KernelConnection, limit: int = 10_000) -> None:
         if msg.get("msg_type") == "status" and not msg.get("parent_header") and \
                 msg.get("content", {}).get("execution_state") in ("restarting", "dead", "autorestarting"):
             _notice("the kernel restarted since the last request: its memory (variables, imports) is gone")
+            conn.restarted = True
+
+
+def _wait_ready(conn: KernelConnection, rest: JupyterREST, deadline: float | None, limit: float = 60.0) -> None:
+    """A restarted kernel answers on its request channel before the server has re-subscribed to its
+    output channel (IOPub), and output sent in that gap is lost. Nudge it with kernel_info requests
+    until one's status message comes back on IOPub: from then on, output arrives."""
+    end = time.monotonic() + limit if deadline is None else min(deadline, time.monotonic() + limit)
+    while time.monotonic() < end:
+        nudge = new_message("kernel_info_request", {}, conn.session_id)
+        try:
+            conn.send(nudge)
+            sent = time.monotonic()
+            while time.monotonic() - sent < 0.5:
+                msg = conn.recv(0.1)
+                if msg is not None and msg.get("parent_header", {}).get("msg_id") == nudge["msg_id"] and \
+                        (msg.get("msg_type") or msg["header"]["msg_type"]) == "status":
+                    conn.restarted = False
+                    return
+        except _ConnectionLost:  # nothing of the user's was sent yet: reconnecting is safe
+            conn.reconnect(rest, deadline)
+    raise RemoteConnectionError(f"the kernel restarted and did not become ready within {limit:.0f} s.")
 
 
 def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline: float | None,
@@ -598,6 +623,7 @@ def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline:
             heard = time.monotonic()
             ex.handle(msg)
             if ex.died:
+                conn.restarted = True
                 return ("DeadKernel", f"the kernel died while running the code (server status: {ex.died}); "
                         "everything in its memory is lost")
             continue

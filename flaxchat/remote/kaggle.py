@@ -495,6 +495,8 @@ class KaggleRunner(RemoteRunner):
         elif restart:
             self.rest.restart(kid)
             self.close()  # a fresh socket next time, without the restart notices of this one
+            if self.connection is not None:
+                self.connection.restarted = True  # and the next request first waits until it is ready
 
     # background training -------------------------------------------------------------------
     def run_pipeline(self, depth: int = 8, steps: int = 5000, *, command: Sequence[str] | None = None,
