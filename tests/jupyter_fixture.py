@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -32,6 +33,13 @@ def make_kernel_venv(folder: Path) -> tuple[Path, bool]:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(folder)],
                    check=True, timeout=120)
     python = folder / "bin" / "python"
+    if sys.prefix != sys.base_prefix:  # we run in a venv: the new one is built on the base Python, so
+        # it must be shown this venv's packages too (ipykernel, jax), after its own ones
+        site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        outer = [d for d in site.getsitepackages() if d.startswith(sys.prefix)]
+        (Path(site_dir) / "zz_outer_venv.pth").write_text(
+            "".join(f"import site; site.addsitedir({d!r})\n" for d in outer))
     check = "import setuptools, sys; v = tuple(int(x) for x in setuptools.__version__.split('.')[:2]); " \
             "import importlib.util as u; sys.exit(0 if v >= (70, 1) or u.find_spec('wheel') else 1)"
     if subprocess.run([str(python), "-c", check], timeout=60).returncode != 0:
@@ -62,6 +70,7 @@ class JupyterServer:
         env.update(JUPYTER_RUNTIME_DIR=str(self.base / "runtime"), JUPYTER_CONFIG_DIR=str(self.base / "config"),
                    JUPYTER_DATA_DIR=str(self.base / "data"), IPYTHONDIR=str(self.base / "ipython"),
                    JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1", HOME=str(self.base / "home"),
+                   JUPYTER_PREFER_ENV_PATH="0",  # in a venv, our kernelspec must still beat the venv's own
                    **self.extra_env)
         env.pop("JUPYTER_PATH", None)
         return env
