@@ -1,0 +1,56 @@
+"""Datasets for finetuning and evaluation, one file each, all on `tasks.base.Task`.
+
+`get_task("arithmetic", split="train")` builds one by name; `parse_mix("chat:2,spelling,arithmetic")`
+builds a weighted mixture. Built-in tasks need no network; the real datasets read files (parquet or
+jsonl in each dataset's published format) or `hf:` specs through flaxchat's data layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from flaxchat.errors import UserError
+from tasks.base import Task, TaskMixture
+
+# name -> (module, class). Each module keeps its own loading code; importing one never imports the others.
+KNOWN: dict[str, tuple[str, str]] = {
+    # built-in, offline (kwargs: split, size, seed)
+    "chat": ("tasks.synthetic_chat", "SyntheticChat"),  # greetings, identity (flaxchat), simple Q&A
+    "spelling": ("tasks.spelling", "SpellingBee"),  # count letters, with str.count in the calculator
+    "spell": ("tasks.spelling", "SimpleSpelling"),  # spell a word letter by letter
+    "arithmetic": ("tasks.arithmetic", "Arithmetic"),  # GSM8K-shaped word problems with tool calls
+    # real datasets (kwargs: path = file/folder/glob or hf:owner/name spec, split)
+    "smoltalk": ("tasks.smoltalk", "SmolTalk"),
+    "mmlu": ("tasks.mmlu", "MMLU"),
+    "arc": ("tasks.arc", "ARC"),
+    "gsm8k": ("tasks.gsm8k", "GSM8K"),
+    "humaneval": ("tasks.humaneval", "HumanEval"),
+}
+
+
+def register(name: str, module: str, cls: str) -> None:
+    KNOWN[name] = (module, cls)
+
+
+def get_task(name: str, **kwargs) -> Task:
+    if name not in KNOWN:
+        raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(KNOWN))}.")
+    module, cls = KNOWN[name]
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def parse_mix(spec: str, seed: int = 0, **kwargs) -> TaskMixture:
+    """'a:2,b,c:0.5' -> a mixture of tasks a (twice), b, and half of c; kwargs go to every task."""
+    tasks, weights = [], []
+    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
+        name, _, w = item.partition(":")
+        try:
+            weight = float(w) if w else 1.0
+        except ValueError:
+            raise UserError(f"bad weight {w!r} for task {name!r} in {spec!r}; write name:weight, e.g. chat:2.") from None
+        tasks.append(get_task(name, **kwargs))
+        weights.append(weight)
+    return TaskMixture(tasks, weights, seed=seed)
+
+
+__all__ = ["KNOWN", "Task", "TaskMixture", "get_task", "parse_mix", "register"]

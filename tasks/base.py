@@ -1,0 +1,130 @@
+"""The one base every dataset stands on: a Task is an indexable list of conversations.
+
+A conversation is nanochat's dict: `{"messages": [{"role": "user"|"assistant", "content": ...}]}`
+where an assistant's content is a string or a list of parts `{"type": "text"|"python"|
+"python_output", "text": ...}` (see `Tokenizer.render_conversation`). Categorical tasks (multiple
+choice) add `"letters": ["A", "B", ...]` and their assistant answer is exactly one of the letters.
+
+Tasks are sliced like lists (`Task(start, stop, step)`) so a split or a shard of a task is a Task too.
+`evaluate` grades one sampled reply (the assistant's text, tool calls and outputs rendered as
+plain text); `reward` is what RL maximises (by default 1.0 for a correct reply, else 0.0).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Sequence
+
+from flaxchat.errors import UserError
+
+
+class Task:
+    name: str = "task"
+    eval_type: str = "generative"  # or "categorical": graded by the logits of the answer letters
+
+    def __init__(self, start: int = 0, stop: int | None = None, step: int = 1):
+        if start < 0 or step < 1 or (stop is not None and stop < start):
+            raise UserError(f"bad slice of task {self.name}: start {start}, stop {stop}, step {step}.")
+        self.start, self.stop, self.step = start, stop, step
+
+    # --- what a subclass provides ---------------------------------------------------------------
+    def num_examples(self) -> int:
+        raise NotImplementedError
+
+    def get_example(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def evaluate(self, conversation: dict, response: str) -> bool:
+        raise NotImplementedError
+
+    def reward(self, conversation: dict, response: str) -> float:
+        return float(self.evaluate(conversation, response))
+
+    # --- list behaviour ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())
+        return max(0, (stop - self.start + self.step - 1) // self.step)
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for task {self.name} of {n} examples")
+        return self.get_example(self.start + (i % n) * self.step)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} examples)"
+
+
+class TaskMixture:
+    """Several tasks as one shuffled list. `weights` repeat a task (2.0 = every example twice;
+    fractions take a prefix), and the order is a deterministic shuffle by `seed`."""
+
+    def __init__(self, tasks: Sequence[Task], weights: Sequence[float] | None = None, seed: int = 0):
+        if not tasks:
+            raise UserError("the task mixture is empty; name at least one task.")
+        weights = list(weights) if weights is not None else [1.0] * len(tasks)
+        if len(weights) != len(tasks) or any(w <= 0 for w in weights):
+            raise UserError(f"a task mixture needs one positive weight per task (got {weights}).")
+        self.tasks = list(tasks)
+        index: list[tuple[int, int]] = []
+        for t, (task, w) in enumerate(zip(self.tasks, weights)):
+            whole, frac = int(w), w - int(w)
+            index += [(t, i) for _ in range(whole) for i in range(len(task))]
+            index += [(t, i) for i in range(int(round(frac * len(task))))]
+        if not index:
+            raise UserError("the task mixture has no examples (its tasks are empty).")
+        random.Random(seed).shuffle(index)
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict:
+        t, j = self.index[i]
+        return self.tasks[t][j]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+# --- grading helpers ------------------------------------------------------------------------------
+
+_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final numeric answer: after the last `####` (GSM8K's convention), else the last number."""
+    found = _ANSWER.findall(text)
+    if found:
+        return found[-1].replace(",", "")
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def numbers_equal(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return abs(float(a) - float(b)) < 1e-6
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+def render_parts(content) -> str:
+    """An assistant message as the plain text a reader sees (tool calls and outputs inlined)."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part["type"] == "python":
+            out.append(f"<|python_start|>{part['text']}<|python_end|>")
+        elif part["type"] == "python_output":
+            out.append(f"<|output_start|>{part['text']}<|output_end|>")
+        else:
+            out.append(part["text"])
+    return "".join(out)
