@@ -41,7 +41,7 @@ NOBODY = 65534
 # e.g. a pyenv under /root): the modules a calculator-style tool call reasonably needs.
 PRELOAD = ("math", "cmath", "json", "re", "random", "string", "itertools", "functools", "collections",
            "statistics", "fractions", "decimal", "datetime", "time", "heapq", "bisect", "operator",
-           "textwrap", "unicodedata", "ast", "traceback", "io")
+           "textwrap", "unicodedata", "ast", "traceback", "io", "typing", "hashlib", "copy")
 
 BLOCKED_MODULES = ("ctypes", "_ctypes", "socket", "_socket", "ssl", "_ssl", "select", "selectors",
                    "subprocess", "_posixsubprocess", "multiprocessing", "_multiprocessing",

@@ -1,48 +1,82 @@
-"""What a run leaves for a person: metrics.jsonl, a loss-curve PNG and a markdown report."""
+"""What a run leaves for a person: metrics.jsonl, a loss-curve PNG, a markdown report, JSON files.
+
+Every writer goes through `flaxchat.paths`, so a run folder may be local or `gs://bucket/run`.
+"""
 
 from __future__ import annotations
 
+import io
 import json
-import os
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable
+
+from flaxchat import paths
 
 
 class MetricsLog:
-    """Append-only JSON lines. A resumed run appends again; readers keep the last entry per step."""
+    """Append-only JSON lines. A resumed run appends again; readers keep the last entry per step.
 
-    def __init__(self, path: str):
+    An object store cannot append to an object: for a remote path the log keeps the whole file in
+    memory and uploads it again at most every `flush_every_s` seconds (GCS allows about one write
+    per second to one object) and on `flush()`/`read()`. A run killed in between loses at most
+    that many seconds of lines; a resumed run logs those steps again.
+    """
+
+    def __init__(self, path: str, flush_every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self.path = path
+        self.flush_every_s = flush_every_s
+        self._clock = clock
+        self._remote = paths.is_remote(path)
+        self._text: list[str] | None = None  # remote: the file's lines, uploaded whole on flush
+        self._dirty = False
+        self._flushed_at = float("-inf")
 
     def append(self, **entry) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        line = json.dumps(entry) + "\n"
+        if not self._remote:
+            with paths.open_file(self.path, "a") as f:
+                f.write(line)
+            return
+        if self._text is None:
+            self._text = [paths.read_text(self.path)] if paths.exists(self.path) else []
+        self._text.append(line)
+        self._dirty = True
+        if self._clock() - self._flushed_at >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._dirty:
+            paths.write_text(self.path, "".join(self._text))
+            self._dirty = False
+            self._flushed_at = self._clock()
 
     def read(self) -> list[dict[str, Any]]:
-        if not os.path.exists(self.path):
+        self.flush()
+        if not paths.exists(self.path):
             return []
         by_key: dict[tuple, dict] = {}
-        with open(self.path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    e = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill: skip it
-                by_key[(e.get("kind"), e.get("step"))] = e
+        for line in paths.read_text(self.path).splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill: skip it
+            by_key[(e.get("kind"), e.get("step"))] = e
         return sorted(by_key.values(), key=lambda e: (e.get("step", 0), e.get("kind", "")))
 
 
-def plot_losses(entries: Iterable[dict], path: str, title: str = "") -> str | None:
-    """Training loss (and validation bpb on a second axis) against step, saved as a PNG."""
+def plot_losses(entries: Iterable[dict], path: str, title: str = "", val_key: str = "val_bpb",
+                val_label: str = "val bits per byte") -> str | None:
+    """Training loss (and a validation metric on a second axis) against step, saved as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     entries = list(entries)
     train = [(e["step"], e["loss"]) for e in entries if e.get("kind") == "train"]
-    val = [(e["step"], e["val_bpb"]) for e in entries if e.get("kind") == "val"]
+    val = [(e["step"], e[val_key]) for e in entries if e.get("kind") == "val" and val_key in e]
     if not train:
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
@@ -52,14 +86,14 @@ def plot_losses(entries: Iterable[dict], path: str, title: str = "") -> str | No
     ax.grid(alpha=0.3)
     if val:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*val), "o-", color="tab:orange", label="val bits/byte")
-        ax2.set_ylabel("val bits per byte", color="tab:orange")
+        ax2.plot(*zip(*val), "o-", color="tab:orange", label=val_label)
+        ax2.set_ylabel(val_label, color="tab:orange")
     ax.set_title(title or "flaxchat training")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    paths.write_bytes(path, buf.getvalue())
     return path
 
 
@@ -76,8 +110,10 @@ def write_report(path: str, *, title: str, sections: list[tuple[str, Any]]) -> s
         else:
             lines.append(str(body))
         lines.append("")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, path)
+    paths.write_text(path, "\n".join(lines))
     return path
+
+
+def write_json(path: str, obj) -> None:
+    """JSON (indented, sorted keys), written atomically: a reader never sees half a file."""
+    paths.write_text(path, json.dumps(obj, indent=2, sort_keys=True))

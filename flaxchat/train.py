@@ -28,15 +28,17 @@ def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array
     return jnp.where(targets >= 0, losses, 0.0)
 
 
-def _micro_loss(params, graphdef, rest, inputs, targets):
+def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     model = nnx.merge(graphdef, params, rest)
     losses = token_losses(model, inputs, targets)
+    if weights is not None:
+        losses = losses * weights
     return jnp.sum(losses), jnp.sum(targets >= 0)
 
 
-@nnx.jit(donate_argnames=("model", "optimizer"))
-def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array):
-    """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss."""
+def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple):
+    """Sum gradients over the leading axis of `batches` with lax.scan, average over counted
+    tokens, update once; returns the mean loss."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
@@ -47,11 +49,25 @@ def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets:
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (inputs, targets))
+    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, batches)
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
     optimizer.update(model, grads)
     return loss_sum / denom
+
+
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array):
+    """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss."""
+    return _accumulated_step(model, optimizer, (inputs, targets))
+
+
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def policy_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array,
+                weights: jax.Array):
+    """REINFORCE: minimise mean(-advantage * log p(sampled token)) over the sampled tokens (targets
+    >= 0; prompt and tool-forced tokens are -1). `weights` (A, B, T) holds each token's advantage."""
+    return _accumulated_step(model, optimizer, (inputs, targets, weights))
 
 
 @nnx.jit

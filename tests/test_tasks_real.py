@@ -264,10 +264,9 @@ def test_humaneval_grades_by_running_the_tests(tmp_path, tok):
 
 
 def test_humaneval_prompts_that_import_typing(tmp_path):
-    # HumanEval/0: most prompts start with `from typing import List`.
-    if not execute_code("import typing").ok:
-        pytest.xfail("the sandbox cannot import typing here (running as root with Python in an unreadable "
-                     "folder, and typing is not in flaxchat.execution.PRELOAD)")
+    # HumanEval/0: most prompts start with `from typing import List` (and /162 imports hashlib);
+    # the sandbox preloads both, since its child may not be able to read Python's folder.
+    assert execute_code("import typing, hashlib").ok
     row = {"task_id": "HumanEval/0", "entry_point": "has_close_elements",
            "prompt": 'from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) '
                      '-> bool:\n    """ Check if in given list of numbers, are any two numbers closer to each '
