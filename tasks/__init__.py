@@ -40,17 +40,28 @@ def get_task(name: str, **kwargs) -> Task:
 
 
 def parse_mix(spec: str, seed: int = 0, **kwargs) -> TaskMixture:
-    """'a:2,b,c:0.5' -> a mixture of tasks a (twice), b, and half of c; kwargs go to every task."""
+    """'a:2,b,c:0.5' -> a mixture of tasks a (twice), b, and half of c; 'gsm8k@data/gsm8k.parquet'
+    gives a file-based task its path. kwargs (e.g. split) go to every task."""
     tasks, weights = [], []
     for item in filter(None, (s.strip() for s in (spec or "").split(","))):
-        name, _, w = item.partition(":")
-        try:
-            weight = float(w) if w else 1.0
-        except ValueError:
-            raise UserError(f"bad weight {w!r} for task {name!r} in {spec!r}; write name:weight, e.g. chat:2.") from None
-        tasks.append(get_task(name, **kwargs))
+        head, _, w = item.rpartition(":")
+        if not head or ("@" in item and not _is_number(w)):  # no weight, or a path's own colon (hf:...)
+            head, w = item, ""
+        name, _, path = head.partition("@")
+        if w and not _is_number(w):
+            raise UserError(f"bad weight {w!r} for task {name!r} in {spec!r}; write name:weight, e.g. chat:2.")
+        weight = float(w) if w else 1.0
+        tasks.append(get_task(name, **(dict(kwargs, path=path) if path else kwargs)))
         weights.append(weight)
     return TaskMixture(tasks, weights, seed=seed)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 __all__ = ["KNOWN", "Task", "TaskMixture", "get_task", "parse_mix", "register"]

@@ -1,0 +1,210 @@
+"""Reinforcement learning on problems with checkable answers (GRPO-style REINFORCE, as nanochat).
+
+    python -m scripts.rl --base runs/d4-sft --run-dir runs/d4-rl
+    python -m scripts.rl --base runs/d4-sft --task gsm8k@data/gsm8k --steps 300
+
+Each step samples `--samples` answers to each of `--prompts` problems with the Engine (tool use on:
+the model's <|python_start|> calls are evaluated and their output forced into the sample), rewards
+each answer 1 if its final answer is right, and takes the group-normalised advantage
+(reward - mean reward of the same problem's samples) as the weight of its sampled tokens'
+log-probabilities. Prompt tokens and tool outputs are not trained. Every `--eval-every` steps,
+pass@1 (greedy) on held-out problems is measured. A re-run resumes from the run's checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+from flaxchat.config import ArgumentParser, add_dataclass_args, dataclass_from_args
+from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    base: str = ""  # the SFT model's run folder (required)
+    run_dir: str = "runs/rl"
+    task: str = "arithmetic"  # name[@path]: a task with a reward (train split to learn, val to measure)
+    steps: int = 200
+    prompts: int = 4  # problems per step
+    samples: int = 8  # answers sampled per problem (the group)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 50
+    row_len: int = 128  # tokens per training row (prompt + answer), at most the model's context
+    lr_frac: float = 0.05
+    eval_every: int = 50
+    eval_examples: int = 100
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 5
+    seed: int = 0
+    dtype: str = "auto"
+    fresh: bool = False
+
+    def validate(self) -> None:
+        if not self.base:
+            raise UserError("--base is required: the run folder of the SFT model to improve (e.g. runs/d4-sft).")
+        if min(self.steps, self.prompts, self.samples, self.max_new_tokens, self.eval_examples) < 1:
+            raise UserError("--steps, --prompts, --samples, --max-new-tokens and --eval-examples must be at least 1.")
+        if self.samples < 2:
+            raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
+
+
+HELP = {
+    "base": "run folder of the model to improve (an SFT run); only read",
+    "task": "task to learn, e.g. arithmetic or gsm8k@data/gsm8k.parquet (train split; val split measures)",
+    "samples": "answers sampled per problem; their mean reward is the baseline",
+    "row_len": "tokens per training row; longer prompts+answers are cut",
+}
+
+
+def parse_args(argv) -> RLConfig:
+    parser = ArgumentParser(prog="python -m scripts.rl", description=__doc__,
+                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_dataclass_args(parser, RLConfig, None, HELP)
+    cfg = dataclass_from_args(RLConfig, parser.parse_args(argv))
+    cfg.validate()
+    return cfg
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+def run(cfg: RLConfig) -> dict:
+    import numpy as np
+    from flax import nnx
+
+    from flaxchat.common import fmt_duration, global_batch, print0
+    from flaxchat.config import save_json
+    from flaxchat.engine import Engine
+    from flaxchat.finetune import StageOptim, check_folders, open_stage
+    from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.tools import calculate
+    from flaxchat.train import policy_step
+
+    t_start = time.time()
+    check_folders(cfg.base, cfg.run_dir)
+    train_task, val_task = open_task(cfg.task, "train"), open_task(cfg.task, "val")
+    print0(f"task: {cfg.task}: {len(train_task):,} training problems, {len(val_task):,} held out")
+    stage = open_stage(cfg.base, cfg.run_dir, steps=cfg.steps, fresh=cfg.fresh, dtype=cfg.dtype,
+                       keep=cfg.keep_checkpoints, log=print0, optim=StageOptim(lr_frac=cfg.lr_frac))
+    model, tokenizer, compute = stage.model, stage.tokenizer, stage.compute
+    L = min(cfg.row_len, model.config.sequence_len)
+    # The calculator only: a sampled call that is not arithmetic gets an error text back, never a
+    # sandbox process (thousands of samples per run; the sandbox stays for chat and HumanEval).
+    engine = Engine(model, tokenizer, tool_runner=lambda expr: calculate(expr) or "error: not arithmetic")
+    end_id = tokenizer.encode_special("<|assistant_end|>")
+
+    def refresh_engine():
+        _, engine.params = nnx.split(model)  # the step donated the old parameter buffers
+
+    def answer(conv, seed, samples, temperature):
+        prompt = tokenizer.render_for_completion(conv)[-(L - 8):]
+        outs, masks = engine.generate_batch(prompt, samples, cfg.max_new_tokens, temperature=temperature,
+                                            top_k=cfg.top_k, seed=seed)
+        return prompt, outs, masks
+
+    def pass_at_1() -> float:
+        n = min(cfg.eval_examples, len(val_task))
+        right = 0
+        for i in range(n):
+            conv = val_task[i]
+            _, outs, _ = answer(conv, 0, 1, 0.0)
+            right += bool(val_task.evaluate(conv, tokenizer.decode(outs[0])))
+        return right / n
+
+    def rollout(step):
+        """(inputs, targets, weights) of shape (prompts, samples, L-1), and the rewards."""
+        xs = np.full((cfg.prompts, cfg.samples, L), tokenizer.bos_token_id, np.int32)
+        train = np.zeros((cfg.prompts, cfg.samples, L), bool)
+        adv = np.zeros((cfg.prompts, cfg.samples), np.float32)
+        rewards = np.zeros((cfg.prompts, cfg.samples), np.float32)
+        for j in range(cfg.prompts):
+            conv = train_task[(step * cfg.prompts + j) % len(train_task)]
+            prompt, outs, masks = answer(conv, cfg.seed * 1_000_003 + step * cfg.prompts + j, cfg.samples,
+                                         cfg.temperature)
+            for r, (out, mask) in enumerate(zip(outs, masks)):
+                rewards[j, r] = train_task.reward(conv, tokenizer.decode(out))
+                if len(out) < cfg.max_new_tokens:  # it stopped by itself: <|assistant_end|> was sampled too
+                    out, mask = out + [end_id], mask + [1]
+                row = (prompt + out)[:L]
+                xs[j, r, :len(row)] = row
+                train[j, r, len(prompt):len(row)] = np.asarray(mask[:len(row) - len(prompt)], bool)
+            adv[j] = rewards[j] - rewards[j].mean()
+        inputs, targets = xs[:, :, :-1], np.where(train[:, :, 1:], xs[:, :, 1:], -1).astype(np.int32)
+        weights = np.broadcast_to(adv[:, :, None], targets.shape).astype(np.float32)
+        return inputs, targets, weights, rewards
+
+    # --- loop ---------------------------------------------------------------------------------------
+    metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    step, t_loop = stage.step, time.time()
+    evals = dict((stage.meta or {}).get("evals", {}))  # step -> pass@1, carried across resumes
+    if "0" not in evals:
+        evals["0"] = pass_at_1()
+        print0(f"step {0:05d} | pass@1 {100 * evals['0']:.1f}% on {min(cfg.eval_examples, len(val_task))} held-out problems")
+    recent: list[float] = []
+    while step < cfg.steps:
+        t0 = time.time()
+        inputs, targets, weights, rewards = rollout(step)
+        t_gen = time.time() - t0
+        policy_step(model, stage.optimizer, global_batch(compute, inputs), global_batch(compute, targets),
+                    global_batch(compute, weights))
+        refresh_engine()
+        step += 1
+        recent.append(float(rewards.mean()))
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            mean_r = sum(recent) / len(recent)
+            print0(f"step {step:05d}/{cfg.steps:05d} | mean reward {mean_r:.3f} | sampling {t_gen:.1f}s | "
+                   f"step {time.time() - t0:.1f}s | eta {fmt_duration((cfg.steps - step) * (time.time() - t0))}")
+            if compute.is_main:
+                metrics.append(kind="train", step=step, loss=1.0 - mean_r, reward=mean_r, time=time.time())
+            recent = []
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            evals[str(step)] = pass_at_1()
+            print0(f"step {step:05d} | pass@1 {100 * evals[str(step)]:.1f}%")
+            if compute.is_main:
+                metrics.append(kind="val", step=step, pass_at_1=evals[str(step)])
+        if step == cfg.steps or step % cfg.save_every == 0:
+            stage.save(step, rl_config=dataclasses.asdict(cfg), evals=evals, base=os.path.abspath(cfg.base), stage="rl")
+    stage.checkpointer.close()
+
+    before, after = evals["0"], evals[str(step)]
+    summary = dict(step=step, pass_at_1_before=before, pass_at_1_after=after, evals=evals,
+                   train_seconds=time.time() - t_loop, run_dir=os.path.abspath(cfg.run_dir))
+    if compute.is_main:
+        png = plot_losses(metrics.read(), os.path.join(cfg.run_dir, "loss.png"), f"RL on {cfg.task} (loss = 1 - reward)",
+                          val_key="pass_at_1", val_label="held-out pass@1")
+        write_report(os.path.join(cfg.run_dir, "report.md"), title="flaxchat RL", sections=[
+            ("Result", {"pass@1 before (the base model)": f"{100 * before:.1f}%", "pass@1 after": f"{100 * after:.1f}%",
+                        "held-out problems": min(cfg.eval_examples, len(val_task)),
+                        "time": fmt_duration(time.time() - t_start)}),
+            ("pass@1 by step", {k: f"{100 * v:.1f}%" for k, v in sorted(evals.items(), key=lambda kv: int(kv[0]))}),
+            ("Reward curve", "![loss](loss.png)" if png else "(no steps logged)"),
+            ("Config", dataclasses.asdict(cfg)),
+        ])
+        save_json(os.path.join(cfg.run_dir, "COMPLETE"), summary)
+        print0(f"done: pass@1 {100 * before:.1f}% -> {100 * after:.1f}% in {fmt_duration(time.time() - t_start)}")
+    return summary
+
+
+def open_task(spec: str, split: str):
+    import tasks
+    name, _, path = spec.partition("@")
+    task = tasks.get_task(name, split=split, **({"path": path} if path else {}))
+    if task.eval_type != "generative":
+        raise UserError(f"task {name!r} is multiple choice; RL needs a task with answers to sample and check "
+                        "(arithmetic, spelling, gsm8k).")
+    if len(task) == 0:
+        raise UserError(f"task {spec!r} has no {split} examples.")
+    return task
+
+
+if __name__ == "__main__":
+    reexec_with_hugepages()
+    sys.exit(cli_main(main))

@@ -1,0 +1,224 @@
+"""Supervised finetuning: teach a base model to chat, on conversations rendered with the chat template.
+
+    python -m scripts.sft --base runs/d4 --run-dir runs/d4-sft
+    python -m scripts.sft --base runs/d4 --mix "chat:2,spelling,arithmetic,smoltalk@data/smoltalk.parquet"
+
+Only what the assistant writes trains (its text, its tool calls, <|assistant_end|>); user turns and
+tool outputs do not. Whole conversations are packed into rows, and the step is the same jitted
+train step as pretraining. The base run folder is only read; this stage writes its own, and a
+re-run resumes from its checkpoint (the next conversation, the same optimizer state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+from flaxchat.config import ArgumentParser, add_dataclass_args, dataclass_from_args
+from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
+
+CHECK_PROMPTS = ["Who are you?", "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    base: str = ""  # the base model's run folder (required)
+    run_dir: str = "runs/sft"
+    mix: str = "chat,spelling,spell,arithmetic"  # task mixture: name[@path][:weight],...
+    val_mix: str = ""  # default: --mix on the validation split
+    epochs: float = 1.0  # passes over the mixture when --steps is -1
+    steps: int = -1
+    device_batch_size: int = 8  # rows per micro-batch per device
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr_frac: float = 0.3  # times the pretraining learning rates, decayed linearly to 0
+    weight_decay: float = 0.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    dtype: str = "auto"
+    fresh: bool = False  # start over even if --run-dir has a checkpoint (the old one is moved aside)
+
+    def validate(self) -> None:
+        if not self.base:
+            raise UserError("--base is required: the run folder of the model to finetune (e.g. runs/d4).")
+        if self.device_batch_size < 1 or self.grad_accum < 1:
+            raise UserError("--device-batch-size and --grad-accum must be at least 1.")
+        if self.steps == 0 or self.steps < -1 or self.epochs <= 0:
+            raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
+
+
+HELP = {f.name: "" for f in dataclasses.fields(SFTConfig)} | {
+    "base": "run folder (or checkpoint) of the model to finetune; only read",
+    "mix": "tasks and weights, e.g. 'chat:2,spelling,arithmetic' or 'gsm8k@data/gsm8k.parquet'",
+    "lr_frac": "fraction of the pretraining learning rates; decays linearly to 0",
+}
+
+
+def parse_args(argv, defaults=None) -> SFTConfig:
+    parser = ArgumentParser(prog="python -m scripts.sft", description=__doc__,
+                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_dataclass_args(parser, SFTConfig, defaults, {k: v for k, v in HELP.items() if v})
+    cfg = dataclass_from_args(SFTConfig, parser.parse_args(argv))
+    cfg.validate()
+    return cfg
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+def run(cfg: SFTConfig) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
+    import tasks
+    from flaxchat.chat_data import ConversationLoader, trained_fraction
+    from flaxchat.common import fmt_duration, global_batch, print0
+    from flaxchat.config import save_json
+    from flaxchat.finetune import StageOptim, check_folders, local_streams, open_stage
+    from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.train import token_losses, train_step
+
+    t_start = time.time()
+    # --- tasks first: a bad mixture fails before any model is loaded -------------------------
+    check_folders(cfg.base, cfg.run_dir)
+    train_set = tasks.parse_mix(cfg.mix, seed=cfg.seed, split="train")
+    val_set = tasks.parse_mix(cfg.val_mix or cfg.mix, seed=cfg.seed, split="val")
+    print0(f"data: {len(train_set):,} training conversations ({cfg.mix}), {len(val_set):,} for validation")
+
+    # --- model, tokenizer, optimizer (resumed when the run folder has a checkpoint) ----------
+    if cfg.steps > 0:
+        steps = cfg.steps
+    else:
+        import jax
+        from flaxchat.finetune import peek
+        model_cfg, tok = peek(cfg.base)
+        rows_per_step = cfg.device_batch_size * jax.device_count() * cfg.grad_accum
+        per_row = conversations_per_row(train_set, tok, model_cfg.sequence_len, cfg.seed)
+        steps = max(1, math.ceil(cfg.epochs * len(train_set) / (per_row * rows_per_step)))
+    stage = open_stage(cfg.base, cfg.run_dir, steps=steps, fresh=cfg.fresh, dtype=cfg.dtype,
+                       keep=cfg.keep_checkpoints, log=print0,
+                       optim=StageOptim(lr_frac=cfg.lr_frac, weight_decay=cfg.weight_decay))
+    model, tokenizer, compute = stage.model, stage.tokenizer, stage.compute
+    T = model.config.sequence_len
+    streams = local_streams(compute)
+    loaders = [ConversationLoader(train_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed, stream=s,
+                                  streams=compute.device_count) for s in streams]
+    if stage.meta is not None:
+        for s, loader in zip(streams, loaders):
+            loader.load_state_dict(stage.meta["loader_states"][s])
+    rows = cfg.device_batch_size * compute.device_count
+    print0(f"batch: {cfg.grad_accum} micro-batch(es) of {rows} x {T} tokens per step; {steps} steps")
+
+    def next_batch():
+        xs, ys = [], []
+        for _ in range(cfg.grad_accum):
+            pairs = [ld.next_batch() for ld in loaders]
+            xs.append(np.concatenate([p[0] for p in pairs]))
+            ys.append(np.concatenate([p[1] for p in pairs]))
+        x, y = np.stack(xs), np.stack(ys)
+        return global_batch(compute, x), global_batch(compute, y), trained_fraction(y)
+
+    def val_loss():
+        loader = ConversationLoader(val_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed)
+        total = count = 0.0
+        for _ in range(cfg.eval_batches):
+            x, y = loader.next_batch()
+            losses = token_losses(model, jnp.asarray(x), jnp.asarray(y))
+            total, count = total + float(jnp.sum(losses)), count + float(np.sum(y >= 0))
+        return total / max(count, 1.0)
+
+    def save(at):
+        states = [ld.state_dict() for ld in loaders]  # one process: every stream is here
+        stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=os.path.abspath(cfg.base),
+                   stage="sft")
+
+    # --- training loop ---------------------------------------------------------------------------
+    metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
+    t_window, tokens_window = time.time(), 0
+    while step < steps:
+        x, y, frac = next_batch()
+        loss = train_step(model, stage.optimizer, x, y)
+        step += 1
+        tokens_window += x.size
+        if step % cfg.log_every == 0 or step == steps:
+            lossf = float(loss)
+            if not math.isfinite(lossf):
+                raise UserError(f"the loss became {lossf} at step {step}; lower --lr-frac.")
+            smooth = lossf if smooth is None else 0.8 * smooth + 0.2 * lossf
+            tps = tokens_window / max(time.time() - t_window, 1e-9)
+            print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | trained tokens {100 * frac:.0f}% | "
+                   f"epoch {loaders[0].epochs_done:.2f} | tok/s {tps:,.0f} | "
+                   f"eta {fmt_duration((steps - step) * x.size / max(tps, 1e-9))}")
+            if compute.is_main:
+                metrics.append(kind="train", step=step, loss=lossf, time=time.time())
+            t_window, tokens_window = time.time(), 0
+        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == steps or step == 1):
+            last_val = val_loss()
+            first_val = last_val if first_val is None else first_val
+            print0(f"step {step:05d} | val loss {last_val:.4f}")
+            if compute.is_main:
+                metrics.append(kind="val", step=step, val_loss=last_val)
+            t_window, tokens_window = time.time(), 0
+        if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+            save(step)
+    stage.checkpointer.close()
+    train_seconds = time.time() - t_loop
+
+    # --- a look at the result, report ---------------------------------------------------------------
+    replies = check_replies(model, tokenizer, CHECK_PROMPTS)
+    summary = dict(step=step, steps=steps, final_loss=smooth, val_loss=last_val, first_val_loss=first_val,
+                   train_seconds=train_seconds, run_dir=os.path.abspath(cfg.run_dir), replies=replies)
+    if compute.is_main:
+        for prompt, reply in replies.items():
+            print0(f"> {prompt}\n{reply}\n")
+        png = plot_losses(metrics.read(), os.path.join(cfg.run_dir, "loss.png"), f"SFT on {cfg.mix}",
+                          val_key="val_loss", val_label="val loss (nats/token)")
+        write_report(os.path.join(cfg.run_dir, "report.md"), title="flaxchat SFT", sections=[
+            ("Run", {"base": os.path.abspath(cfg.base), "mix": cfg.mix, "conversations": len(train_set),
+                     "steps": steps, "rows per step": rows * cfg.grad_accum, "sequence": T,
+                     "val loss": f"{first_val or 0:.4f} -> {last_val or 0:.4f}",
+                     "training time": fmt_duration(train_seconds)}),
+            ("Loss curve", "![loss](loss.png)" if png else "(no steps logged)"),
+            ("Replies (greedy)", [f"{p} -> {r!r}" for p, r in replies.items()]),
+            ("Config", dataclasses.asdict(cfg)),
+        ])
+        save_json(os.path.join(cfg.run_dir, "COMPLETE"), {k: v for k, v in summary.items() if k != "replies"})
+        print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val loss {last_val}; "
+               f"report {os.path.join(cfg.run_dir, 'report.md')}")
+    return summary
+
+
+def conversations_per_row(dataset, tokenizer, seq_len: int, seed: int, probe_rows: int = 64) -> float:
+    """How many conversations the packing fits in a row, measured on the first rows of the order."""
+    from flaxchat.chat_data import ConversationLoader
+    probe = ConversationLoader(dataset, tokenizer, probe_rows, seq_len, seed=seed)
+    probe.next_batch()
+    used = probe.epoch * len(dataset) + probe.cursor
+    return max(used, 1) / probe_rows
+
+
+def check_replies(model, tokenizer, prompts: list[str], max_tokens: int = 64) -> dict[str, str]:
+    """Greedy replies to a few prompts, with the tool on: what a user of the chat CLI would see."""
+    from flaxchat.engine import Engine
+    from flaxchat.loading import chat_prompt
+    engine = Engine(model, tokenizer)
+    out = {}
+    for p in prompts:
+        ids = chat_prompt(tokenizer, [{"role": "user", "content": p}])
+        samples, _ = engine.generate_batch(ids, 1, max_tokens, temperature=0.0)
+        out[p] = tokenizer.decode(samples[0])
+    return out
+
+
+if __name__ == "__main__":
+    reexec_with_hugepages()
+    sys.exit(cli_main(main))

@@ -1,0 +1,231 @@
+"""SFT and RL: loss masks, packing and its resume state, the policy-gradient step, both scripts end
+to end on a tiny base model (exact SFT resume included), and every bad input as one sentence."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import tasks
+from flaxchat.chat_data import ConversationLoader
+from flaxchat.config import GPTConfig
+from flaxchat.errors import UserError, cli_main
+from flaxchat.gpt import GPT
+from flaxchat.loading import load_model, save_run
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+from flaxchat.train import policy_step, train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = GPTConfig(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+CONVERSATION = {"messages": [
+    {"role": "user", "content": "What is 3 plus 4?"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me add. "},
+                                      {"type": "python", "text": "3+4"},
+                                      {"type": "python_output", "text": "7"},
+                                      {"type": "text", "text": " #### 7"}]},
+    {"role": "user", "content": "Thanks"},
+    {"role": "assistant", "content": "You are welcome."},
+]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.tokenizer import Tokenizer
+    texts = [StoriesCorpus(seed=0).doc(i) for i in range(150)]
+    texts += [str(c["messages"]) for c in list(tasks.parse_mix("chat,arithmetic,spelling", split="train"))[:600]]
+    return Tokenizer.train(texts, 512, max_chars=400_000)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer):
+    model = GPT(TINY, rngs=nnx.Rngs(0))
+    return save_run(tmp_path_factory.mktemp("base") / "run", model, tokenizer, step=5)
+
+
+def _run(script, *args, timeout=420):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", f"scripts.{script}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --- masks and packing -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_only_assistant_tokens_train(tokenizer):
+    ids, mask = tokenizer.render_conversation(CONVERSATION)
+    s = tokenizer.special_tokens
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == ("Let me add. <|python_start|>3+4<|python_end|> #### 7<|assistant_end|>"
+                       "You are welcome.<|assistant_end|>")
+    untrained = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    assert "What is 3 plus 4?" in untrained and "<|output_start|>7<|output_end|>" in untrained
+    assert mask[ids.index(s["<|assistant_start|>"])] == 0
+    # In a packed row, a target is the next token exactly where that token is trained, else -1.
+    loader = ConversationLoader([CONVERSATION], tokenizer, rows=1, seq_len=len(ids) + 5)
+    x, y = loader.next_batch()
+    n = len(ids)
+    assert x[0, :n].tolist() == ids and (x[0, n:] == tokenizer.bos_token_id).all()
+    want = [ids[i + 1] if mask[i + 1] else -1 for i in range(n - 1)]
+    assert y[0, :n - 1].tolist() == want and (y[0, n - 1:] == -1).all()
+
+
+@pytest.mark.timeout(60)
+def test_packing_keeps_conversations_whole_and_resumes_exactly(tokenizer):
+    data = tasks.parse_mix("chat,arithmetic", split="val")
+    loader = ConversationLoader(data, tokenizer, rows=4, seq_len=128, seed=3)
+    rendered = {tuple(tokenizer.render_conversation(data[i], 129)[0]) for i in range(len(data))}
+    x, _ = loader.next_batch()
+    bos = tokenizer.bos_token_id
+    for row in x:
+        starts = [i for i, t in enumerate(row) if t == bos] + [len(row) + 1]
+        pieces = [tuple(row[a:b]) for a, b in zip(starts, starts[1:]) if b - a > 1]
+        whole = [p for p in pieces if p in rendered]
+        assert whole and len(whole) >= len(pieces) - 1  # only the row's last piece may be cut by T
+    loader.next_batch()
+    state = loader.state_dict()
+    after = [loader.next_batch() for _ in range(3)]
+    again = ConversationLoader(data, tokenizer, rows=4, seq_len=128, seed=3)
+    again.load_state_dict(state)
+    for (a, b), (c, d) in zip(after, [again.next_batch() for _ in range(3)]):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+    # Two streams split the conversations between them: nothing shared, nothing left out.
+    s0 = ConversationLoader(data, tokenizer, 1, 128, seed=3, stream=0, streams=2)._epoch_order()
+    s1 = ConversationLoader(data, tokenizer, 1, 128, seed=3, stream=1, streams=2)._epoch_order()
+    assert not set(s0) & set(s1) and len(s0) + len(s1) == len(data)
+
+
+@pytest.mark.timeout(120)
+def test_policy_step_is_train_step_with_weights():
+    """Weights of one give exactly the SFT update; a negative advantage pushes the other way."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(0, 512, (1, 2, 16)), jnp.int32)
+    y = jnp.asarray(np.where(rng.random((1, 2, 16)) < 0.5, rng.integers(0, 512, (1, 2, 16)), -1), jnp.int32)
+
+    def fresh():
+        model = GPT(TINY, rngs=nnx.Rngs(1))
+        cfg = OptimConfig("adamw", 0.01, 0.01, 0.01, 0.01, 0.0, 0.9, 0.95, TINY.n_embd, TINY.n_layer)
+        return model, nnx.Optimizer(model, build_optimizer(cfg, Schedule(10)), wrt=nnx.Param)
+
+    m1, o1 = fresh()
+    m2, o2 = fresh()
+    train_step(m1, o1, x, y)
+    policy_step(m2, o2, x, y, jnp.ones(y.shape, jnp.float32))
+    for a, b in zip(jax.tree.leaves(nnx.state(m1, nnx.Param)), jax.tree.leaves(nnx.state(m2, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+    def nll(model):
+        from flaxchat.train import token_losses
+        return float(jnp.sum(token_losses(model, x[0], y[0])))
+
+    m3, o3 = fresh()
+    start = nll(m3)
+    policy_step(m3, o3, x, y, jnp.full(y.shape, -1.0, jnp.float32))
+    assert nll(m3) > start  # penalised tokens became less likely
+    m4, o4 = fresh()
+    policy_step(m4, o4, x, y, jnp.full(y.shape, 1.0, jnp.float32))
+    assert nll(m4) < start
+
+
+# --- the scripts ---------------------------------------------------------------------------------------
+
+SFT_ARGS = ["--mix", "chat,arithmetic", "--steps", "4", "--device-batch-size", "2", "--eval-every", "2",
+            "--eval-batches", "1", "--save-every", "2", "--log-every", "1"]
+
+
+def _params(run_dir, step=None):
+    model, _, meta = load_model(run_dir, step)
+    return meta, [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_trains_resumes_exactly_and_reports(base, tmp_path):
+    run = tmp_path / "sft"
+    p = _run("sft", "--base", str(base), "--run-dir", str(run), *SFT_ARGS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "val loss" in p.stdout and (run / "COMPLETE").exists() and (run / "report.md").exists()
+    meta, final = _params(run)
+    assert meta["step"] == 4 and meta["stage"] == "sft" and meta["loader_states"][0]["cursor"] > 0
+    _, start = _params(base)
+    assert any(not np.array_equal(a, b) for a, b in zip(final, start))  # it trained
+    _, base_again = _params(base)
+    assert all(np.array_equal(a, b) for a, b in zip(start, base_again))  # the base was only read
+    # Resume: drop the last checkpoint, run again; it continues from step 2 to the same weights.
+    shutil.rmtree(run / "checkpoints" / "4")
+    p = _run("sft", "--base", str(base), "--run-dir", str(run), *SFT_ARGS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from step 2" in p.stdout
+    _, resumed = _params(run)
+    for a, b in zip(final, resumed):
+        np.testing.assert_array_equal(a, b)
+    # The result opens like any run (tokenizer copied next to the checkpoints).
+    model, tok, _ = load_model(run)
+    assert tok.vocab_size == model.config.vocab_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rl_runs_measures_pass_at_1_and_resumes(base, tmp_path):
+    run = tmp_path / "rl"
+    args = ["--base", str(base), "--run-dir", str(run), "--steps", "2", "--prompts", "2", "--samples", "2",
+            "--max-new-tokens", "8", "--row-len", "96", "--eval-every", "1", "--eval-examples", "3",
+            "--save-every", "1", "--log-every", "1"]
+    p = _run("rl", *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "pass@1" in p.stdout and "mean reward" in p.stdout
+    meta, final = _params(run)
+    assert meta["stage"] == "rl" and sorted(meta["evals"], key=int) == ["0", "1", "2"]
+    assert all(0.0 <= v <= 1.0 for v in meta["evals"].values())
+    report = (run / "report.md").read_text()
+    assert "pass@1 before" in report and "pass@1 after" in report
+    _, start = _params(base)
+    assert any(not np.array_equal(a, b) for a, b in zip(final, start))
+    p = _run("rl", *args[:-6], "--steps", "3", "--eval-every", "1", "--eval-examples", "3", "--log-every", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from step 2" in p.stdout and "step 00003" in p.stdout
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script,argv,words", [
+    ("sft", [], "--base is required"),
+    ("sft", ["--base", "/nonexistent/run"], "no run folder"),
+    ("sft", ["--base", "BASE", "--mix", "nosuchtask"], "known tasks: arc, arithmetic"),
+    ("sft", ["--base", "BASE", "--mix", ","], "mixture is empty"),
+    ("sft", ["--base", "BASE", "--run-dir", "BASE"], "base model's own folder"),
+    ("sft", ["--base", "BASE", "--mix", "chat:heavy"], "bad weight"),
+    ("rl", ["--base", "BASE", "--samples", "1"], "at least 2"),
+    ("rl", ["--base", "/nonexistent/run"], "no run folder"),
+    ("rl", ["--base", "BASE", "--task", "mmlu@/nonexistent/mmlu.parquet"], "mmlu"),
+])
+def test_bad_input_is_one_sentence(script, argv, words, base, tmp_path, capsys):
+    from scripts import rl, sft
+    argv = [str(base) if a == "BASE" else a for a in argv]
+    if "--run-dir" not in argv:
+        argv += ["--run-dir", str(tmp_path / "out")]
+    before = sorted(os.listdir(base / "checkpoints"))
+    assert cli_main({"sft": sft.main, "rl": rl.main}[script], argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.count("\n") == 0, err
+    assert sorted(os.listdir(base / "checkpoints")) == before and not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(30)
+def test_roles_out_of_order_are_refused(tokenizer):
+    bad = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "?"}]}
+    with pytest.raises(UserError, match="roles must alternate"):
+        ConversationLoader([bad], tokenizer, 1, 64).next_batch()
