@@ -232,7 +232,8 @@ def generative_accuracy(engine, tokenizer, task, limit: int | None = None, num_s
 def load_task(spec: str, split: str = "val"):
     """'name' or 'name:PATH' (a file, folder, glob or hf: spec) -> the Task from tasks.get_task."""
     from tasks import get_task
-    name, _, path = spec.partition(":")
+    from tasks import split_spec
+    name, path = split_spec(spec)
     return get_task(name, split=split, **({"path": path} if path else {}))
 
 

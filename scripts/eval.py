@@ -19,6 +19,7 @@ import time
 
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
+from tasks import split_spec
 
 BUILTIN_TASKS = ("chat", "spelling", "spell", "arithmetic")
 FILE_TASKS = ("smoltalk", "mmlu", "arc", "gsm8k", "humaneval")  # need name:PATH
@@ -74,14 +75,14 @@ def plan(args) -> tuple[list[str], list[str]]:
             tasks.append(spec)
     core += _split_list(args.core)
     for spec in tasks:
-        name, _, path = spec.partition(":")
+        name, path = split_spec(spec)
         if name not in KNOWN:
             hint = " (it is a CORE set: pass it with --core)" if name in BUILTIN_CORE else ""
             raise UserError(f"unknown task {name!r}{hint}; known tasks: {', '.join(sorted(KNOWN))}.")
         if name in FILE_TASKS and not path:
             raise UserError(f"task {name} reads a dataset; name its file or folder as {name}:PATH.")
     for spec in core:
-        name, _, path = spec.partition(":")
+        name, path = split_spec(spec)
         if name not in CORE_TASKS:
             raise UserError(f"unknown CORE set {name!r}; known: {', '.join(CORE_TASKS)} "
                             f"(built in: {', '.join(BUILTIN_CORE)}; the others are written name:PATH).")
@@ -110,7 +111,7 @@ def run(args) -> dict:
     if core:
         from tasks.core import load_core
         for spec in core:
-            name, _, path = spec.partition(":")
+            name, path = split_spec(spec)
             core_sets.append((name, load_core(name, path=path or None, limit=args.limit)))
 
     # --- model --------------------------------------------------------------------------------

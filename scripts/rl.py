@@ -195,7 +195,7 @@ def run(cfg: RLConfig) -> dict:
 
 def open_task(spec: str, split: str):
     import tasks
-    name, _, path = spec.partition("@")
+    name, path = tasks.split_spec(spec)
     task = tasks.get_task(name, split=split, **({"path": path} if path else {}))
     if task.eval_type != "generative":
         raise UserError(f"task {name!r} is multiple choice; RL needs a task with answers to sample and check "

@@ -56,6 +56,12 @@ def parse_mix(spec: str, seed: int = 0, **kwargs) -> TaskMixture:
     return TaskMixture(tasks, weights, seed=seed)
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """'name', 'name:PATH' or 'name@PATH' -> (name, path or '')."""
+    cut = min((i for i in (spec.find("@"), spec.find(":")) if i >= 0), default=-1)
+    return (spec, "") if cut < 0 else (spec[:cut], spec[cut + 1:])
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -64,4 +70,4 @@ def _is_number(text: str) -> bool:
         return False
 
 
-__all__ = ["KNOWN", "Task", "TaskMixture", "get_task", "parse_mix", "register"]
+__all__ = ["KNOWN", "Task", "TaskMixture", "get_task", "parse_mix", "register", "split_spec"]
