@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from flaxchat import paths
 from flaxchat.errors import UserError
 
 
@@ -97,9 +98,13 @@ class Checkpointer:
 
 
 def set_aside(directory: str) -> str | None:
-    """Move an existing checkpoint folder out of the way (for --fresh); nothing is deleted."""
-    if not os.path.isdir(directory) or not os.listdir(directory):
+    """Move an existing checkpoint folder out of the way (for --fresh); nothing is deleted.
+    Local or `gs://` (through `flaxchat.paths`; on an object store the move copies every object)."""
+    remote = paths.is_remote(directory)
+    directory = directory.rstrip("/") if remote else directory
+    # A remote 'folder' exists only while objects live under it, so isdir means non-empty there.
+    if not paths.isdir(directory) or (not remote and not os.listdir(directory)):
         return None
     dest = f"{directory}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.rename(directory, dest)
+    paths.move(directory, dest)
     return dest

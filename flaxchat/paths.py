@@ -5,7 +5,13 @@
     listdir(path, recursive)  sorted full paths of the files in a folder
     glob(pattern)             sorted full paths matching a pattern (`**` crosses folders)
     makedirs(path)            a folder (a no-op on object stores, which have no folders)
+    read_bytes / read_text    a whole file
+    write_bytes / write_text  a whole file, atomically (a reader never sees half of it)
+    remove(path), move(a, b)  a file; a file or folder (`--fresh` sets checkpoints aside)
+    check_writable(folder)    a probe file written and removed: bad credentials fail here, early
+    local_copy(folder)        a local folder mirroring a remote one, uploaded back on exit
     join(base, *parts)        `os.path.join` for local paths, `/`-joined for URLs
+    absolute(path)            `os.path.abspath` for local paths, URLs as they are
     is_remote(path)           True for `scheme://...` other than `file://`
 
 Local paths go straight to the OS (the fast path and the one the tests use); URLs go through fsspec,
@@ -14,14 +20,19 @@ connecting run under a time limit, because a machine without network or credenti
 wait for minutes (google-auth probes the GCE metadata server, gcsfs retries with back-off) before it
 says anything. A missing package, missing credentials, or no answer all become one-sentence
 `UserError`s. Orbax writes checkpoints to `gs://` natively; this module is for everything else
-(config JSON, metrics, reports, data shards).
+(config JSON, metrics, reports, samples, the tokenizer, data shards). Tests prove the writers
+use this layer with fsspec's in-memory filesystem (`memory://`), which needs no network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import os
+import shutil
+import tempfile
 import threading
+import uuid
 from typing import Callable, TypeVar
 
 from flaxchat.errors import UserError
@@ -61,6 +72,10 @@ def join(base: str, *parts: str) -> str:
     if is_remote(base):
         return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
     return os.path.join(base, *parts)
+
+
+def absolute(path: str) -> str:
+    return str(path) if is_remote(path) else os.path.abspath(_local(path))
 
 
 # --- remote filesystems ----------------------------------------------------------------------------
@@ -129,9 +144,13 @@ def _url(protocol: str, inner: str) -> str:
     return f"{protocol}://{inner.lstrip('/')}"
 
 
-def _remote(path: str, what: str, fn: Callable):
+_WRITES = ("write", "remove", "move")
+
+
+def _remote(path: str, what: str, fn: Callable, timeout: float | None = None):
     """Run `fn(fs, inner_path)` under the time limit, turning storage errors into one sentence."""
     fs, inner = filesystem(path)
+    may = "write there" if what in _WRITES else "read it"
 
     def call():
         try:
@@ -143,9 +162,9 @@ def _remote(path: str, what: str, fn: Callable):
         except Exception as e:  # permission, auth and transport errors read the same to a user
             first = str(e).splitlines()[0][:200] if str(e) else ""
             raise UserError(f"cannot {what} {path} ({type(e).__name__}: {first}); check the path and "
-                            "that your credentials may read it") from None
+                            f"that your credentials may {may}") from None
 
-    return bounded(call, f"{what} {path}")
+    return bounded(call, f"{what} {path}", timeout)
 
 
 # --- the operations --------------------------------------------------------------------------------
@@ -205,3 +224,104 @@ def makedirs(path: str) -> None:
         os.makedirs(_local(path), exist_ok=True)
     else:
         filesystem(path)  # still connect, so that missing credentials show before any work is done
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_remote(path):
+        with open(_local(path), "rb") as f:
+            return f.read()
+    return _remote(path, "read", lambda fs, p: fs.cat_file(p))
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode("utf-8")
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Replace the file at `path` with `data`. Locally a temp file renamed over it; on an object
+    store one upload, which is atomic (the old object stays readable until the new one is whole)."""
+    if not is_remote(path):
+        path = _local(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return
+    _remote(path, "write", lambda fs, p: fs.pipe_file(p, data))
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def remove(path: str) -> None:
+    """Delete the file at `path`; a missing one is not an error."""
+    if not is_remote(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(_local(path))
+        return
+    with contextlib.suppress(FileNotFoundError):
+        _remote(path, "remove", lambda fs, p: fs.rm_file(p))
+
+
+# An object store moves a folder object by object (a server-side copy, then a delete): a checkpoint
+# of a d24 model is ~10 GB, so this gets far longer than a listing.
+MOVE_TIMEOUT_S = 1800.0
+
+
+def move(src: str, dst: str) -> None:
+    """Rename a file or folder (same filesystem)."""
+    if is_remote(src) != is_remote(dst) or scheme(src) != scheme(dst):
+        raise ValueError(f"cannot move {src} to {dst}: not on one filesystem")
+    if not is_remote(src):
+        os.rename(_local(src), _local(dst))
+        return
+    _, dst_inner = filesystem(dst)
+    _remote(src, "move", lambda fs, p: fs.mv(p, dst_inner, recursive=True), timeout=MOVE_TIMEOUT_S)
+
+
+def check_writable(folder: str) -> None:
+    """Create `folder` and write and delete a small probe file in it, so that a missing package,
+    missing credentials or a read-only bucket stop a run with one sentence before any work is done
+    (rather than at the first checkpoint, an hour in)."""
+    probe = join(folder, f".flaxchat-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        makedirs(folder)
+        write_bytes(probe, b"ok")
+        remove(probe)
+    except UserError:
+        raise
+    except OSError as e:  # local: permission, read-only file system, a file where the folder should be
+        reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
+        raise UserError(f"cannot write to the run folder {folder} ({reason}); pick a folder you may write to") from None
+
+
+@contextlib.contextmanager
+def local_copy(folder: str, upload: bool = True):
+    """A local folder holding what `folder` holds, for code that only speaks to the OS (the
+    tokenizer's save/load). Local folders are used as they are; a remote one is downloaded into a
+    temporary folder and, when `upload` and the block ends without an error, the files that are new
+    or changed are uploaded back."""
+    if not is_remote(folder):
+        yield _local(folder)
+        return
+    base = folder.rstrip("/")
+    tmp = tempfile.mkdtemp(prefix="flaxchat-")
+    try:
+        before: dict[str, bytes] = {}
+        for url in listdir(base, recursive=True):
+            rel = url[len(base):].lstrip("/")
+            before[rel] = read_bytes(url)
+            os.makedirs(os.path.dirname(os.path.join(tmp, rel)) or tmp, exist_ok=True)
+            with open(os.path.join(tmp, rel), "wb") as f:
+                f.write(before[rel])
+        yield tmp
+        if upload:
+            for local in listdir(tmp, recursive=True):
+                rel = os.path.relpath(local, tmp).replace(os.sep, "/")
+                with open(local, "rb") as f:
+                    data = f.read()
+                if before.get(rel) != data:
+                    write_bytes(join(base, rel), data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
