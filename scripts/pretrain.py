@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 
@@ -55,22 +54,26 @@ def run(tc: TrainConfig) -> dict:
     from flax import nnx
 
     from flaxchat import checkpoint as ckpt
-    from flaxchat import sharding
+    from flaxchat import paths, sharding
     from flaxchat.common import allgather_json, compute_init, device_peak_flops, fmt_duration, global_batch, peak_rss_mb, print0
-    from flaxchat.config import GPTConfig, config_for_depth, save_json
+    from flaxchat.config import GPTConfig, config_for_depth
     from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
     from flaxchat.data.prefetch import Prefetcher
     from flaxchat.data.sources import resolve_source
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
-    from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import bits_per_byte, eval_step, sample, train_step
 
     t_start = time.time()
+    # --- run folder: local or gs://. Every file in it goes through flaxchat.paths (checkpoints
+    # through Orbax); a probe write here turns a missing gcsfs, missing credentials or a read-only
+    # bucket into one sentence now rather than a traceback at the first save.
+    paths.check_writable(tc.run_dir)
+
     # --- compute ------------------------------------------------------------------------------
     compute = compute_init(tc.dtype)
-    os.makedirs(tc.run_dir, exist_ok=True)
     print0(f"compute: {compute.backend}, {compute.device_count} device(s) in {compute.process_count} process(es), "
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 
@@ -78,19 +81,22 @@ def run(tc: TrainConfig) -> dict:
     train_src = resolve_source(tc.data, split="train", seed=tc.seed)
     val_src = resolve_source(tc.data, split="val", seed=tc.seed)
     print0(f"data: {train_src.name}")
-    tok_dir = tc.tokenizer_dir or os.path.join(tc.run_dir, "tokenizer")
-    # Process 0 trains (or loads) the tokenizer; the others load what it saved.
+    tok_dir = tc.tokenizer_dir or paths.join(tc.run_dir, "tokenizer")
+    # Process 0 trains (or loads) the tokenizer; the others load what it saved. The tokenizer
+    # speaks to local files only: a gs:// folder is mirrored through a local copy.
     if compute.is_main:
-        tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size,
-                                  max_chars=tc.max_chars_tokenizer, log=print0)
+        with paths.local_copy(tok_dir) as local_tok:
+            tokenizer = train_or_load(local_tok, lambda: texts_of(train_src), tc.vocab_size,
+                                      max_chars=tc.max_chars_tokenizer, log=print0)
     _barrier("tokenizer")
     if not compute.is_main:
-        tokenizer = train_or_load(tok_dir, lambda: texts_of(train_src), tc.vocab_size,
-                                  max_chars=tc.max_chars_tokenizer, log=None)
+        with paths.local_copy(tok_dir, upload=False) as local_tok:
+            tokenizer = train_or_load(local_tok, lambda: texts_of(train_src), tc.vocab_size,
+                                      max_chars=tc.max_chars_tokenizer, log=None)
     token_bytes = jnp.asarray(tokenizer.token_bytes())
 
     # --- checkpoint: resume or start -----------------------------------------------------------
-    ckpt_dir = os.path.join(tc.run_dir, "checkpoints")
+    ckpt_dir = paths.join(tc.run_dir, "checkpoints")
     if tc.fresh and compute.is_main:
         moved = ckpt.set_aside(ckpt_dir)
         if moved:
@@ -203,12 +209,12 @@ def run(tc: TrainConfig) -> dict:
         outs = sample(model, prompts, max_new=min(120, T - 8), seed=tc.seed + step)
         return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
 
-    metrics = MetricsLog(os.path.join(tc.run_dir, "metrics.jsonl"))
-    complete_marker = os.path.join(tc.run_dir, "COMPLETE")
-    if compute.is_main and step < steps and os.path.exists(complete_marker):
-        os.remove(complete_marker)  # our own marker of an earlier, shorter run: this one is not done
+    metrics = MetricsLog(paths.join(tc.run_dir, "metrics.jsonl"))
+    complete_marker = paths.join(tc.run_dir, "COMPLETE")
+    if compute.is_main and step < steps and paths.exists(complete_marker):
+        paths.remove(complete_marker)  # our own marker of an earlier, shorter run: this one is not done
     if compute.is_main:
-        save_json(os.path.join(tc.run_dir, "config.json"), dict(model=model_cfg.to_dict(), train=tc.to_dict(),
+        write_json(paths.join(tc.run_dir, "config.json"), dict(model=model_cfg.to_dict(), train=tc.to_dict(),
                   steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
 
     # --- training loop ----------------------------------------------------------------------------
@@ -260,16 +266,15 @@ def run(tc: TrainConfig) -> dict:
     # --- samples, report, completion marker -------------------------------------------------------
     samples = stories()
     summary = dict(is_main=compute.is_main, step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
-                   train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=os.path.abspath(tc.run_dir))
+                   train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=paths.absolute(tc.run_dir))
     if compute.is_main:
         print0("\n--- sampled stories ---")
         for s in samples:
             print0(s + "\n")
-        with open(os.path.join(tc.run_dir, "samples.txt"), "w") as f:
-            f.write("\n\n".join(samples) + "\n")
+        paths.write_text(paths.join(tc.run_dir, "samples.txt"), "\n\n".join(samples) + "\n")
         entries = metrics.read()
-        png = plot_losses(entries, os.path.join(tc.run_dir, "loss.png"), f"depth {tc.depth} on {train_src.name}")
-        write_report(os.path.join(tc.run_dir, "report.md"), title=f"flaxchat pretraining: depth {tc.depth}", sections=[
+        png = plot_losses(entries, paths.join(tc.run_dir, "loss.png"), f"depth {tc.depth} on {train_src.name}")
+        write_report(paths.join(tc.run_dir, "report.md"), title=f"flaxchat pretraining: depth {tc.depth}", sections=[
             ("Run", {"data": train_src.name, "steps": steps, "tokens/step": total, "grad accumulation": grad_accum,
                      "devices": f"{compute.device_count} {compute.backend} in {compute.process_count} process(es)",
                      "parameters": f"{n_params:,}", "final loss (smoothed)": f"{smooth:.4f}" if smooth else "-",
@@ -279,9 +284,9 @@ def run(tc: TrainConfig) -> dict:
             ("Samples", [s.replace("\n", " ") for s in samples]),
             ("Config", model_cfg.to_dict()),
         ])
-        save_json(complete_marker, summary)
+        write_json(complete_marker, summary)
         print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val bpb {last_bpb}; "
-               f"report {os.path.join(tc.run_dir, 'report.md')}")
+               f"report {paths.join(tc.run_dir, 'report.md')}")
     summary["samples"] = samples
     return summary
 
