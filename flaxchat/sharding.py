@@ -72,7 +72,8 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
             n = math.prod(mesh.shape[a] for a in ((mesh_axis,) if isinstance(mesh_axis, str) else mesh_axis))
             if n > 1 and size % n:
                 raise UserError(f"a dimension of size {size} (logical axis {name!r}) does not divide over "
-                                f"{n} devices; pick a model width or device count that divides.")
+                                f"{n} devices; pick a model width (64 x --depth) or a device count that "
+                                "divides it, or use --sharding=dp.")
             if size == 1 or n == 1:
                 mesh_axis = None
         out.append(mesh_axis)
@@ -107,35 +108,53 @@ def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
-    """Place parameters by the rules and each optimizer-state array like the parameter it belongs to.
+def placements(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh):
+    """(variable, NamedSharding) for every parameter and optimizer-state array, by the rules.
 
     Optimizer state mirrors the parameter tree (momentum, Adam moments: same path suffix); a state
     array with the parameter's shape takes its spec, a reduced one (NorMuon's per-row second moment)
-    drops the split on its size-1 dimension, anything else (step counts) is replicated.
+    drops the split on its size-1 dimension, anything else (step counts) is replicated. Works on real
+    arrays and on the ShapeDtypeStructs of an abstract model (`nnx.eval_shape`).
     """
     pstate = nnx.state(model, nnx.Param)
     specs = param_specs(pstate, mesh)
-    shapes = {name: var.get_value().shape for name, var in
-              ((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(pstate))}
+    shapes = {}
     for path, var in nnx.to_flat_state(pstate):
-        var.set_value(_put(var.get_value(), NamedSharding(mesh, specs[".".join(map(str, path))])))
+        name = ".".join(map(str, path))
+        shapes[name] = var.get_value().shape
+        yield var, NamedSharding(mesh, specs[name])
     if optimizer is None:
         return
+    by_length = sorted(specs.items(), key=lambda kv: -len(kv[0]))
     for path, var in nnx.to_flat_state(nnx.state(optimizer)):
         value = var.get_value() if isinstance(var, nnx.Variable) else None
-        if not isinstance(value, jax.Array):
+        if not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
             continue
         name = ".".join(str(p) for p in path)
         spec = P()
-        for pname, pspec in sorted(specs.items(), key=lambda kv: -len(kv[0])):
+        for pname, pspec in by_length:
             if name == pname or name.endswith("." + pname):
                 if value.shape == shapes[pname]:
                     spec = pspec
                 elif len(value.shape) == len(shapes[pname]):
                     spec = P(*[None if n == 1 else a for n, a in zip(value.shape, tuple(pspec) + (None,) * 8)])
                 break
-        var.set_value(_put(value, NamedSharding(mesh, spec)))
+        yield var, NamedSharding(mesh, spec)
+
+
+def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
+    """Place parameters and optimizer state on the mesh by the rules (see `placements`)."""
+    for var, where in list(placements(model, optimizer, mesh)):
+        var.set_value(_put(var.get_value(), where))
+
+
+def shard_abstract(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
+    """The same placements on an abstract model/optimizer from `nnx.eval_shape`: each
+    ShapeDtypeStruct gets its sharding, so `train_step.lower(...).compile()` sees the real layout
+    without a byte of the state being allocated (what a 'does it fit' check needs)."""
+    for var, where in list(placements(model, optimizer, mesh)):
+        v = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -148,13 +167,18 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 
 def bytes_per_device(tree) -> dict[int, int]:
-    """Bytes of `tree`'s arrays held by each addressable device (from the arrays' shardings)."""
+    """Bytes of `tree`'s arrays held by each addressable device, from the arrays' shardings.
+    Abstract leaves (ShapeDtypeStruct with a sharding) count what their shards would hold."""
     out: dict[int, int] = {}
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, nnx.Variable):
             leaf = leaf.get_value()
-        if not isinstance(leaf, jax.Array):
-            continue
-        for shard in leaf.addressable_shards:
-            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+        elif isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+            itemsize = np.dtype(leaf.dtype).itemsize
+            for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+                n = math.prod(len(range(*sl.indices(dim))) for sl, dim in zip(index, leaf.shape))
+                out[device.id] = out.get(device.id, 0) + n * itemsize
     return out

@@ -114,3 +114,34 @@ def test_fsdp_axis_that_does_not_divide_is_one_sentence():
         shape = {"data": 1, "fsdp": 8, "tensor": 1}
     with pytest.raises(UserError, match="does not divide over 8 devices"):
         sharding.logical_to_spec(("embed", "mlp"), (100, 400), FakeMesh())
+
+
+_PRETRAIN_ON_3_DEVICES = """
+import json, sys
+from flaxchat.errors import cli_main
+from scripts import pretrain
+out = []
+for argv in json.loads(sys.argv[1]):
+    code = cli_main(pretrain.main, argv)
+    print("CODE", code, flush=True)
+    print("END", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_on_a_device_count_that_does_not_divide_is_one_sentence(tmp_path):
+    """scripts.pretrain on 3 fake devices: a batch that does not split over them, and a width (64 at
+    depth 1) that the fsdp axis cannot split, each stop with one sentence and exit status 2."""
+    tiny = ["--depth=1", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2", "--sharding=fsdp",
+            "--max-chars-tokenizer=100000", f"--tokenizer-dir={tmp_path / 'tok'}", "--steps=1"]
+    runs = [[*tiny, "--total-batch-size=128", f"--run-dir={tmp_path / 'a'}"],  # 128 tokens vs 3 x 2 x 32
+            [*tiny, f"--run-dir={tmp_path / 'b'}"]]
+    r = subprocess.run([sys.executable, "-c", _PRETRAIN_ON_3_DEVICES, json.dumps(runs)], cwd=ROOT,
+                       env=_worker_env(3, FLAXCHAT_NO_HUGEPAGES="1"), capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [l for l in r.stdout.splitlines() if l.startswith("CODE")] == ["CODE 2", "CODE 2"], r.stdout
+    errs = [e.strip() for e in r.stderr.split("END")[:2]]
+    assert all(len(e.splitlines()) == 1 and e.startswith("error: ") for e in errs), errs
+    assert "--total-batch-size 128 is not a multiple of device_batch_size x devices x sequence_len = 192" in errs[0]
+    assert ("a dimension of size 64 (logical axis 'embed') does not divide over 3 devices" in errs[1]
+            and "--sharding=dp" in errs[1]), errs[1]
