@@ -1,0 +1,320 @@
+"""What fits before you rent a pod: the d12-d24 presets under dp and fsdp on N fake CPU devices.
+
+    python -m bench.scale                         # d12,d16,d20,d24 on 8 fake devices (~5 min on 2 cores)
+    python -m bench.scale --depths 12 --layouts fsdp --run-steps 12
+    python -m bench.scale --depths 2,4 --devices 2 --seq 64 --batch 2     # small enough to run steps
+
+For each depth and layout, one row (MiB per device):
+  params         parameter count
+  param/dev      parameter bytes one device holds, from the arrays' shardings (sharding.bytes_per_device)
+  opt/dev        optimizer-state bytes one device holds (Muon momentum, NorMuon moments, Adam moments)
+  args/temp/out  XLA's memory analysis of the compiled train step, per device: arguments (state and
+                 batch), temporaries (activations, gradients, gathered weights), outputs (the new
+                 state, donated: it reuses the arguments' buffers)
+  peak/dev       args + temp + out - aliased: what one device must hold during the step
+  compile        seconds to lower and compile the step (jax AOT: `.lower(...).compile()`)
+  step           one measured step after a warm-up step, or why it was not run
+
+Nothing big is allocated to compile: the model and optimizer are built abstractly (nnx.eval_shape)
+and placed by the sharding rules as ShapeDtypeStructs. A first compile uses XLA's cheapest code
+generation (buffer assignment, hence every memory figure, is decided before code generation; marked
+'*'). `--run-steps auto` then runs a step only where it fits this machine: the step's memory on all
+fake devices within half the available RAM, and its FLOPs (XLA's cost analysis) within --max-step-s
+at the measured matmul peak; such a row is compiled again with real code generation. Deeper presets
+that are not run (above --exact-up-to) are compiled at 4 and 8 layers of their width and XLA's
+figures extended linearly ('~'): a full compile of d24 takes ~4 minutes here, the two short ones ~40 s.
+
+The fake devices share this machine's cores and memory, so step times compare layouts, not chips.
+The memory figures are XLA:CPU's accounting of the per-device program; a TPU's compiler schedules
+the same program differently, and --dtype bfloat16 shows the activations of bf16 compute.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+from flaxchat.errors import UserError, cli_main
+
+# Code-generation effort for compiles that are only measured, never run: the LLVM passes are most
+# of a CPU compile, and buffer assignment (the memory analysis) happens before them.
+CHEAP_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", default="12,16,20,24", help="comma-separated --depth presets (default: %(default)s)")
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="rows per step over all devices, one micro-batch; must divide over --devices (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s, pretrain's)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="rematerialise each block in the backward pass")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype; parameters and optimizer state stay fp32 (default: %(default)s)")
+    p.add_argument("--layouts", default="dp,fsdp", help="comma-separated: dp, fsdp (default: %(default)s)")
+    p.add_argument("--run-steps", default="auto",
+                   help="which depths to time one step for: auto (where it fits RAM and --max-step-s), "
+                        "all, none, or comma-separated depths (default: %(default)s)")
+    p.add_argument("--max-step-s", type=float, default=20.0,
+                   help="auto: run a step only if its FLOPs take at most this long at the matmul peak (default: %(default)s)")
+    p.add_argument("--compile-only", action="store_true", help="compile and report memory; run no step")
+    p.add_argument("--exact-up-to", type=int, default=12,
+                   help="deeper presets that are not run are compiled at 4 and 8 layers of their width and "
+                        "XLA's figures extrapolated to their depth (a compile of d24 takes ~4 min here); "
+                        "a large value compiles every depth in full (default: %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        args.depth_list = [int(d) for d in args.depths.split(",") if d.strip()]
+    except ValueError:
+        raise UserError(f"--depths takes comma-separated whole numbers, e.g. 12,16 (got {args.depths!r}).") from None
+    args.layout_list = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if not args.depth_list or min(args.depth_list) < 1:
+        raise UserError(f"--depths must name depths of 1 or more (got {args.depths!r}).")
+    if set(args.layout_list) - {"dp", "fsdp"} or not args.layout_list:
+        raise UserError(f"--layouts takes dp and/or fsdp (got {args.layouts!r}).")
+    if args.devices < 1 or args.seq < 2 or args.batch < 1:
+        raise UserError("--devices and --batch must be at least 1 and --seq at least 2.")
+    if args.batch % args.devices:
+        raise UserError(f"--batch {args.batch} does not split over {args.devices} devices; use a multiple of "
+                        f"{args.devices} (every device takes the same number of rows).")
+    if args.compile_only:
+        args.run_steps = "none"
+    if args.run_steps not in ("auto", "all", "none"):
+        try:
+            args.run_steps = {int(d) for d in args.run_steps.split(",")}
+        except ValueError:
+            raise UserError(f"--run-steps takes auto, all, none or comma-separated depths (got {args.run_steps!r}).") from None
+    return args
+
+
+def fake_devices(n: int) -> None:
+    """N CPU devices; XLA reads the flag once, when JAX starts, so this must run before `import jax`."""
+    if "jax" in sys.modules:
+        import jax
+        if jax.device_count() != n or jax.default_backend() != "cpu":
+            raise UserError(f"JAX is already running with {jax.device_count()} {jax.default_backend()} device(s); "
+                            f"run `python -m bench.scale` in a fresh process for {n} fake CPU devices.")
+        return
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --- one depth under one layout ---------------------------------------------------------------------
+
+
+def build(cfg, dtype, mesh, abstract: bool):
+    """(model, optimizer) placed on `mesh` by the sharding rules; ShapeDtypeStructs when `abstract`."""
+    from flax import nnx
+
+    from flaxchat import sharding
+    from flaxchat.gpt import GPT
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+
+    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, depth=cfg.n_layer), Schedule(1000))
+
+    def make():
+        model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    if abstract:
+        model, opt = nnx.eval_shape(make)
+        sharding.shard_abstract(model, opt, mesh)
+    else:
+        model, opt = make()
+        sharding.shard_model_and_optimizer(model, opt, mesh)
+    return model, opt
+
+
+def pure_step(graphdef):
+    """The real train step as a function of the state, so the AOT-compiled executable can also be
+    called on the real state (donated, as in training)."""
+    import jax
+    from flax import nnx
+
+    from flaxchat.train import train_step
+
+    def step(state, x, y):
+        model, opt = nnx.merge(graphdef, state)
+        loss = train_step(model, opt, x, y)
+        return loss, nnx.state((model, opt))
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def compile_step(cfg, mesh, args, cheap: bool):
+    """AOT-compile the train step of `cfg` on `mesh` from abstract state: (compiled, seconds, graphdef, batch sharding)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from flaxchat import sharding
+
+    # Built outside the mesh context, as pretrain does (under one, nnx.eval_shape would place each
+    # variable by its own metadata instead of by our rules).
+    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True)
+    batch = NamedSharding(mesh, P(None, sharding.BATCH))
+    xs = jax.ShapeDtypeStruct((1, args.batch, cfg.sequence_len), jnp.int32, sharding=batch)
+    graphdef, state = nnx.split((model, opt))
+    t = time.perf_counter()
+    with jax.set_mesh(mesh):  # the model's logical activation constraints resolve on this mesh
+        compiled = pure_step(graphdef).lower(state, xs, xs).compile(CHEAP_CODEGEN if cheap else None)
+    return compiled, time.perf_counter() - t, batch
+
+
+def memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    return dict(args_b=m.argument_size_in_bytes, temp_b=m.temp_size_in_bytes, out_b=m.output_size_in_bytes,
+                peak_b=m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def measure(cfg, layout: str, args, run: str) -> dict:
+    """One table row for `cfg` under `layout`; `run` is yes, no or auto (if it fits)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from flaxchat import sharding
+    from flaxchat.common import measured_matmul_peak
+
+    mesh = sharding.make_mesh(jax.devices(), layout)
+    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True)
+    param_dev = max(sharding.bytes_per_device(nnx.state(model, nnx.Param)).values())
+    opt_dev = max(sharding.bytes_per_device(nnx.state(opt)).values())
+    row = dict(params=sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param))),
+               param_dev=param_dev, opt_dev=opt_dev, step_s=None, why="", fit=False)
+    del model, opt
+    ram = available_ram()
+    L = cfg.n_layer
+    if run != "yes" and L > args.exact_up_to and L > 8:
+        # Every 4 layers repeat (window pattern SSSL, value embeddings on alternate layers), so each
+        # XLA figure is a + b*L: two compiles at 4 and 8 layers of this width give a and b.
+        small = [compile_step(dataclasses.replace(cfg, n_layer=n), mesh, args, cheap=True) for n in (4, 8)]
+        m4, m8 = (memory(c) for c, _, _ in small)
+        row.update({k: m4[k] + (m8[k] - m4[k]) * (L - 4) / 4 for k in m4})
+        row.update(compile_s=sum(s for _, s, _ in small), cheap=True, fit=True)
+        return row
+    # A cheap compile gives the memory and FLOP figures; the real code generation (for a fair step
+    # time) is paid only for a step that will run.
+    compiled, seconds, batch = compile_step(cfg, mesh, args, cheap=run != "yes")
+    row.update(memory(compiled), compile_s=seconds, cheap=run != "yes")
+    if run == "no":
+        return row
+    if run == "auto":
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = float((cost or {}).get("flops", 0.0)) * args.devices  # every fake device runs on these cores
+        est_s = flops / measured_matmul_peak()
+        need = (row["peak_b"] + param_dev) * args.devices  # + the copy made at init, before placing
+        if need > 0.5 * ram:
+            row["why"] = f"needs {need / 2**30:.0f}G"
+            return row
+        if est_s > args.max_step_s:
+            row["why"] = f"~{est_s:.0f}s"
+            return row
+        compiled, seconds, batch = compile_step(cfg, mesh, args, cheap=False)
+        row.update(compile_s=seconds, cheap=False)
+    # --- one real step: allocate, warm up once (first-touch page faults), time the second ---
+    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=False)
+    real = nnx.state((model, opt))
+    del model, opt
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, cfg.sequence_len), np.int32)
+    x = jax.device_put(tokens, batch)
+    with jax.set_mesh(mesh):
+        for _ in range(2):
+            t = time.perf_counter()
+            loss, real = compiled(real, x, x)
+            loss.block_until_ready()
+    row["step_s"] = time.perf_counter() - t
+    row["loss"] = float(loss)
+    return row
+
+
+# --- the table -------------------------------------------------------------------------------------
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:,.0f}" if b >= 2**20 else f"{b / 2**20:.2f}"
+
+
+def format_row(depth: int, layout: str, r: dict) -> str:
+    fit = "~" if r["fit"] else ""  # extrapolated from 4- and 8-layer compiles
+    step = f"{r['step_s']:.2f}s" if r["step_s"] is not None else (f"({r['why']})" if r["why"] else "-")
+    mem = [f"{fit}{_mib(r[k])}" for k in ("args_b", "temp_b", "out_b", "peak_b")]
+    return (f"{'d' + str(depth):>5} {layout:6} {r['params'] / 1e6:>7.1f}M {_mib(r['param_dev']):>9} "
+            f"{_mib(r['opt_dev']):>8} {mem[0]:>7} {mem[1]:>7} {mem[2]:>7} {mem[3]:>8} "
+            f"{r['compile_s']:>7.1f}s{'*' if r['cheap'] else ' '} {step:>9}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    fake_devices(args.devices)
+    import jax
+
+    from flaxchat.config import config_for_depth
+
+    t0 = time.perf_counter()
+    print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} devices "
+          f"on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; a step of {args.batch} x "
+          f"{args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state fp32", flush=True)
+    head = (f"{'depth':>5} {'layout':6} {'params':>8} {'param/dev':>9} {'opt/dev':>8} {'args':>7} {'temp':>7} "
+            f"{'out':>7} {'peak/dev':>8} {'compile':>8} {'step':>9}")
+    print("MiB per device. param/dev, opt/dev: from the arrays' shardings; args/temp/out/peak: XLA's memory "
+          "analysis of the compiled train step")
+    print(head)
+    print("-" * len(head), flush=True)
+    rows = {}
+    for depth in args.depth_list:
+        cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq, grad_checkpoint=args.grad_checkpoint)
+        if args.run_steps in ("none", "auto", "all"):
+            run = {"none": "no", "auto": "auto", "all": "yes"}[args.run_steps]
+        else:
+            run = "yes" if depth in args.run_steps else "no"
+        for layout in args.layout_list:
+            rows[(depth, layout)] = r = measure(cfg, layout, args, run)
+            print(format_row(depth, layout, r), flush=True)
+    print("-" * len(head))
+    notes = []
+    if any(r["cheap"] for r in rows.values()):
+        notes.append("* compile-only row (no step run): compiled with XLA's cheapest code generation, which "
+                     "leaves the memory figures as they are and the compile time shorter than a real one")
+    if any(r["fit"] for r in rows.values()):
+        notes.append(f"~ extrapolated (not run): depths above {args.exact_up_to} are compiled at 4 and 8 "
+                     "layers of their width and XLA's figures extended linearly to their depth (within ~2% of a "
+                     "full compile at d24); the compile column is those two compiles")
+    if any(r["why"] for r in rows.values()):
+        notes.append("(needs NG): not run, the step would need N GiB on all fake devices, over half this machine's "
+                     "RAM; (~Ns): not run, about N s per step at the measured matmul peak")
+    for note in notes:
+        print(note)
+    for depth in args.depth_list:
+        if (depth, "dp") in rows and (depth, "fsdp") in rows:
+            dp, fs = rows[(depth, "dp")], rows[(depth, "fsdp")]
+            print(f"d{depth}: fsdp holds {fs['param_dev'] / dp['param_dev']:.3f} of dp's parameter bytes per device "
+                  f"(1/{args.devices} = {1 / args.devices:.3f}); peak per device {_mib(fs['peak_b'])} MiB vs "
+                  f"{_mib(dp['peak_b'])} MiB under dp")
+    print(f"bench.scale took {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    from flaxchat.errors import reexec_with_hugepages
+    reexec_with_hugepages()
+    sys.exit(cli_main(main))

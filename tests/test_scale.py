@@ -1,0 +1,60 @@
+"""bench.scale: a short run prints dp and fsdp side by side, fsdp's parameter bytes ~1/N of dp's."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _scale(*args, timeout=110):
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_HUGEPAGES="1")
+    env.pop("XLA_FLAGS", None)  # the script sets the fake device count itself
+    return subprocess.run([sys.executable, "-m", "bench.scale", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(stdout):
+    rows = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\s+d(\d+) (dp|fsdp)\s+([\d.]+)M\s+([\d.,]+)\s+([\d.,]+)\s+~?([\d.,]+)\s+~?([\d.,]+)\s+~?([\d.,]+)"
+                     r"\s+~?([\d.,]+)\s+([\d.]+)s(\*?)\s+(\S+)", line)
+        if m:
+            num = [float(x.replace(",", "")) for x in m.groups()[2:10]]
+            rows[(int(m[1]), m[2])] = dict(zip(("params", "param", "opt", "args", "temp", "out", "peak", "compile"), num),
+                                           cheap=m[11] == "*", step=m[12])
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_short_run_prints_both_layouts():
+    """~35 s on 2 busy cores: depth 2 on 2 fake devices, compiled and one step run under each layout."""
+    r = _scale("--depths", "2", "--devices", "2", "--seq", "64", "--batch", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(r.stdout)
+    assert set(rows) == {(2, "dp"), (2, "fsdp")}, r.stdout
+    dp, fsdp = rows[(2, "dp")], rows[(2, "fsdp")]
+    assert dp["params"] == fsdp["params"] > 1
+    # fsdp splits parameters and optimizer state over the 2 devices (the scalars stay whole).
+    assert fsdp["param"] == pytest.approx(dp["param"] / 2, rel=0.02)
+    assert fsdp["opt"] == pytest.approx(dp["opt"] / 2, rel=0.05)
+    # XLA's arguments are the state plus the batch: the same halving; the step fits and ran.
+    assert fsdp["args"] < 0.6 * dp["args"] and fsdp["peak"] < dp["peak"]
+    for row in (dp, fsdp):
+        assert not row["cheap"] and re.fullmatch(r"[\d.]+s", row["step"]), r.stdout
+    assert "d2: fsdp holds 0.500 of dp's parameter bytes per device (1/2 = 0.500)" in r.stdout
+
+
+def test_help_and_bad_flags():
+    r = _scale("--help", timeout=60)
+    assert r.returncode == 0 and "--compile-only" in r.stdout and "--run-steps" in r.stdout
+    r = _scale("--devices", "2", "--batch", "3", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: --batch 3 does not split over 2 devices; use a multiple of 2 (every device takes the same "
+        "number of rows).")
+    r = _scale("--depths", "twelve", timeout=60)
+    assert r.returncode == 2 and "--depths takes comma-separated whole numbers" in r.stderr
+    assert "Traceback" not in r.stderr
