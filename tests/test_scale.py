@@ -31,8 +31,9 @@ def _rows(stdout):
 
 @pytest.mark.timeout(120)
 def test_short_run_prints_both_layouts():
-    """~35 s on 2 busy cores: depth 2 on 2 fake devices, compiled and one step run under each layout."""
-    r = _scale("--depths", "2", "--devices", "2", "--seq", "64", "--batch", "2")
+    """~40 s cold on 2 busy cores: depth 2 on 2 fake devices, compiled and one step run under each layout
+    (`--run-steps 2` compiles once; `auto` would compile cheaply first to decide)."""
+    r = _scale("--depths", "2", "--devices", "2", "--seq", "64", "--batch", "2", "--run-steps", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(r.stdout)
     assert set(rows) == {(2, "dp"), (2, "fsdp")}, r.stdout
