@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import warnings
 from typing import Callable
 
 from flaxchat.execution import execute_code
@@ -70,7 +71,10 @@ def calculate(expr: str) -> str | None:
     if not any(q in expr for q in "\"'"):
         expr = expr.replace(",", "")  # "1,234 * 5": thousands separators, as nanochat strips them
     try:
-        value = _eval(ast.parse(expr, mode="eval"))
+        with warnings.catch_warnings():  # a sampled "3a+1" is a SyntaxWarning before it is an error
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expr, mode="eval")
+        value = _eval(tree)
     except (_Refuse, SyntaxError, ArithmeticError, ValueError, TypeError, RecursionError, MemoryError):
         return None
     return str(value)

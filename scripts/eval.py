@@ -121,9 +121,17 @@ def run(args) -> dict:
     print(f"evaluating {args.model} (step {meta.get('step')}, {model.config.n_layer} layers, "
           f"context {model.config.sequence_len})", flush=True)
 
+    tty = sys.stderr.isatty()
+
     def progress(label):
+        shown = [0]
+
         def show(done, total):
-            print(f"\r{label}: {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+            if tty:  # one line, rewritten in place
+                print(f"\r{label}: {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+            elif done == total or done - shown[0] >= max(1, total // 4):  # logs: a line per quarter
+                shown[0] = done
+                print(f"{label}: {done}/{total}", file=sys.stderr, flush=True)
         return show
 
     # --- evaluate -------------------------------------------------------------------------------

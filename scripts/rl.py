@@ -28,14 +28,16 @@ class RLConfig:
     base: str = ""  # the SFT model's run folder (required)
     run_dir: str = "runs/rl"
     task: str = "arithmetic"  # name[@path]: a task with a reward (train split to learn, val to measure)
-    steps: int = 200
-    prompts: int = 4  # problems per step
+    steps: int = 100
+    prompts: int = 8  # problems per step
     samples: int = 8  # answers sampled per problem (the group)
     max_new_tokens: int = 64
-    temperature: float = 1.0
+    temperature: float = 0.8
     top_k: int = 50
     row_len: int = 128  # tokens per training row (prompt + answer), at most the model's context
-    lr_frac: float = 0.05
+    # Muon's update has a fixed size whatever the gradient's: with 64 noisy samples a step, 0.05 of
+    # the pretraining rates lowered held-out pass@1 (69% -> 50% in 50 steps); 0.01 raises it.
+    lr_frac: float = 0.01
     eval_every: int = 50
     eval_examples: int = 100
     save_every: int = 50
