@@ -56,6 +56,7 @@ def _tokenizer_dir(paths: RunPaths, meta: dict) -> Path:
 
 def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokenizer: bool = True):
     """(model, tokenizer or None, meta) from a run folder, checkpoints folder or step folder."""
+    import jax
     from flax import nnx
 
     from flaxchat.checkpoint import Checkpointer
@@ -78,8 +79,11 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
         cfg = dataclasses.replace(cfg, grad_checkpoint=False)
         # Abstract parameters (shapes only): restoring fills them, so no time goes into a random
         # initialisation that is thrown away (~1 s per op-by-op init on a small CPU).
-        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
-        meta = ckpt.restore(model, step=paths.step)
+        # No mesh in context: a training stage earlier in this process may have set one, and the
+        # abstract arrays would then carry an AbstractMesh that Orbax cannot restore onto.
+        with jax.set_mesh(None):
+            model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
+            meta = ckpt.restore(model, step=paths.step)
     finally:
         ckpt.close()
     tokenizer = Tokenizer.load(_tokenizer_dir(paths, meta)) if with_tokenizer else None

@@ -229,3 +229,16 @@ def test_roles_out_of_order_are_refused(tokenizer):
     bad = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "?"}]}
     with pytest.raises(UserError, match="roles must alternate"):
         ConversationLoader([bad], tokenizer, 1, 64).next_batch()
+
+
+@pytest.mark.timeout(60)
+def test_load_model_after_a_stage_set_a_mesh(base):
+    """scripts.run_chat runs the stages in one process: pretraining leaves its mesh set."""
+    from flaxchat.common import compute_init
+    mesh = compute_init("float32").with_sharding("dp").mesh
+    try:
+        jax.set_mesh(mesh)
+        model, tok, meta = load_model(base)
+    finally:
+        jax.set_mesh(None)
+    assert meta["step"] == 5 and model.config == TINY
