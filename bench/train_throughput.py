@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import resource
 import time
@@ -24,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat import gpt as gpt_mod
 from flaxchat import ops
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import types
 import typing
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from flaxchat.errors import UserError
 

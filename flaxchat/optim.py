@@ -12,7 +12,7 @@ state, so it runs inside jit and restores with the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

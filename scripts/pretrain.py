@@ -50,7 +50,6 @@ def run(tc: TrainConfig) -> dict:
     # Heavy imports here so that --help and bad flags answer at once.
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from flaxchat import checkpoint as ckpt

@@ -14,7 +14,6 @@ pass@1 (greedy) on held-out problems is measured. A re-run resumes from the run'
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 import time

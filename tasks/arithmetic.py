@@ -15,15 +15,10 @@ val or test question appears in train, even reworded or with other names, whatev
 
 from __future__ import annotations
 
-import hashlib
 import random
-import re
 
-from flaxchat.errors import UserError
-from tasks.base import Task, extract_answer, numbers_equal
+from tasks.base import GeneratedTask, expand, extract_answer, numbers_equal, split_of
 
-SPLITS = ("train", "val", "test")
-DEFAULT_SIZE = {"train": 5000, "val": 500, "test": 500}
 MAX_DRAWS = 10_000  # a split owns ~10% of problems, so ~10 draws on average; this bound is only a guard
 
 _NAMES = (("Mia", "she", "her"), ("Tom", "he", "his"), ("Lily", "she", "her"), ("Ben", "he", "his"),
@@ -44,13 +39,6 @@ def _plural(noun: str) -> str:
     if noun.endswith("y") and noun[-2:-1] not in "aeiou":
         return noun[:-1] + "ies"
     return noun + ("es" if noun.endswith(("s", "x", "ch", "sh")) else "s")
-
-
-def _expand(template: str, rng: random.Random) -> str:
-    """Replace each `[a|b|c]` (innermost first) with one alternative."""
-    while (m := re.search(r"\[([^\[\]]*)\]", template)) is not None:
-        template = template[:m.start()] + rng.choice(m.group(1).split("|")) + template[m.end():]
-    return template
 
 
 # --- story templates ------------------------------------------------------------------------------
@@ -233,9 +221,7 @@ TEMPLATES = (_buy, _change, _share, _older, _younger_later, _pages, _pages_left,
 
 
 def _split_of(template: int, numbers: tuple[int, ...]) -> str:
-    key = f"{template}:{','.join(map(str, numbers))}".encode()
-    bucket = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % 10
-    return "val" if bucket == 0 else "test" if bucket == 1 else "train"
+    return split_of(f"{template}:{','.join(map(str, numbers))}")
 
 
 def _problem(rng: random.Random) -> tuple[int, tuple[int, ...], dict]:
@@ -244,9 +230,9 @@ def _problem(rng: random.Random) -> tuple[int, tuple[int, ...], dict]:
     f = {"N": name, "he": he, "He": he.capitalize(), "his": his, "M": other}
     numbers, question, reason, expr, answer, result = TEMPLATES[t](rng, f)
     f["ans"] = answer
-    q = _expand(question, rng).format(**f)
+    q = expand(question, rng).format(**f)
     parts = [
-        {"type": "text", "text": _expand(reason, rng).format(**f) + " "},
+        {"type": "text", "text": expand(reason, rng).format(**f) + " "},
         {"type": "python", "text": expr},
         {"type": "python_output", "text": str(answer)},
         {"type": "text", "text": "\n" + result.format(**f) + f"\n#### {answer}"},
@@ -256,24 +242,11 @@ def _problem(rng: random.Random) -> tuple[int, tuple[int, ...], dict]:
     return t, numbers, conv
 
 
-class Arithmetic(Task):
+class Arithmetic(GeneratedTask):
     """Word problems with one or two operations; the reply calls the calculator and ends `#### n`."""
 
     name = "arithmetic"
     eval_type = "generative"
-
-    def __init__(self, split: str = "train", size: int | None = None, seed: int = 0,
-                 start: int = 0, stop: int | None = None, step: int = 1):
-        if split not in SPLITS:
-            raise UserError(f"unknown split {split!r} for task {self.name}; use one of {', '.join(SPLITS)}.")
-        if size is not None and (not isinstance(size, int) or size < 0):
-            raise UserError(f"the size of task {self.name} must be a whole number >= 0 (got {size!r}).")
-        super().__init__(start, stop, step)
-        self.split, self.seed = split, seed
-        self.size = DEFAULT_SIZE[split] if size is None else size
-
-    def num_examples(self) -> int:
-        return self.size
 
     def get_example(self, index: int) -> dict:
         rng = random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")

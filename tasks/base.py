@@ -12,6 +12,7 @@ plain text); `reward` is what RL maximises (by default 1.0 for a correct reply, 
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from typing import Sequence
@@ -57,6 +58,46 @@ class Task:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self)} examples)"
+
+
+class GeneratedTask(Task):
+    """A built-in task made on the fly from (seed, split, index): the split and size checks and
+    the example count that every generated task shares."""
+
+    default_size = {"train": 5000, "val": 500, "test": 500}
+
+    def __init__(self, split: str = "train", size: int | None = None, seed: int = 0,
+                 start: int = 0, stop: int | None = None, step: int = 1):
+        if split not in SPLITS:
+            raise UserError(f"unknown split {split!r} for task {self.name}; use one of {', '.join(SPLITS)}.")
+        if size is not None and (not isinstance(size, int) or size < 0):
+            raise UserError(f"the size of task {self.name} must be a whole number >= 0 (got {size!r}).")
+        super().__init__(start, stop, step)
+        self.split, self.seed = split, seed
+        self.size = self.default_size[split] if size is None else size
+
+    def num_examples(self) -> int:
+        return self.size
+
+
+SPLITS = ("train", "val", "test")
+
+
+def split_of(key: str) -> str:
+    """Which split owns a piece of content: 10% val, 10% test, 80% train, by a hash that is stable
+    across processes (unlike `hash()`), so held-out content never reaches training."""
+    bucket = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % 10
+    return "val" if bucket == 0 else "test" if bucket == 1 else "train"
+
+
+_CHOICE = re.compile(r"\[([^\[\]]*)\]")
+
+
+def expand(template: str, rng: random.Random) -> str:
+    """Replace each `[a|b|c]` (innermost first, so they may nest) with one alternative."""
+    while (m := _CHOICE.search(template)) is not None:
+        template = template[:m.start()] + rng.choice(m.group(1).split("|")) + template[m.end():]
+    return template
 
 
 class TaskMixture:

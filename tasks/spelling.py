@@ -13,14 +13,11 @@ val or test question is about a word that train never asks about.
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 import re
 
-from flaxchat.errors import UserError
-from tasks.base import Task, extract_answer, numbers_equal
+from tasks.base import GeneratedTask, expand, extract_answer, numbers_equal, split_of
 
-SPLITS = ("train", "val", "test")
 
 # ~450 common English words (nouns, verbs, adjectives; many from the built-in stories' vocabulary)
 WORDS = tuple(dict.fromkeys("""
@@ -63,41 +60,20 @@ accommodate embarrass parallel recommend millennium broccoli spaghetti banana st
 """.split()))
 
 # a word's split, from a hash of the word (stable across processes, unlike `hash()`)
-def _split_of(word: str) -> str:
-    bucket = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big") % 10
-    return "val" if bucket == 0 else "test" if bucket == 1 else "train"
-
-
 @functools.lru_cache(maxsize=None)
 def words_of(split: str) -> tuple[str, ...]:
-    return tuple(w for w in WORDS if _split_of(w) == split)
+    return tuple(w for w in WORDS if split_of(w) == split)
 
 
-def _expand(template: str, rng: random.Random) -> str:
-    """Replace each `[a|b|c]` (innermost first) with one alternative."""
-    while (m := re.search(r"\[([^\[\]]*)\]", template)) is not None:
-        template = template[:m.start()] + rng.choice(m.group(1).split("|")) + template[m.end():]
-    return template
-
-
-class _WordTask(Task):
-    """Shared by the two letter tasks: split and size checks, one RNG per example."""
+class _WordTask(GeneratedTask):
+    """Shared by the two letter tasks: words of the split, one RNG per example."""
 
     default_size = {"train": 5000, "val": 200, "test": 200}
 
     def __init__(self, split: str = "train", size: int | None = None, seed: int = 0,
                  start: int = 0, stop: int | None = None, step: int = 1):
-        if split not in SPLITS:
-            raise UserError(f"unknown split {split!r} for task {self.name}; use one of {', '.join(SPLITS)}.")
-        if size is not None and (not isinstance(size, int) or size < 0):
-            raise UserError(f"the size of task {self.name} must be a whole number >= 0 (got {size!r}).")
-        super().__init__(start, stop, step)
-        self.split, self.seed = split, seed
-        self.size = self.default_size[split] if size is None else size
+        super().__init__(split, size, seed, start, stop, step)
         self.words = words_of(split)
-
-    def num_examples(self) -> int:
-        return self.size
 
     def _rng(self, index: int) -> random.Random:
         return random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")
@@ -148,20 +124,20 @@ class SpellingBee(_WordTask):
         n = word.count(letter)
         upper = rng.random() < 0.1
         shown_letter = letter.upper() if upper else letter
-        question = _expand(rng.choice(_BEE_QUESTIONS), rng).format(
+        question = expand(rng.choice(_BEE_QUESTIONS), rng).format(
             l=rng.choice(_QUOTES).format(shown_letter), w=rng.choice(_QUOTES).format(word))
         if rng.random() < 0.2:
             question = question.lower()
         counted = ", ".join(f"{c}" if c != letter else f"{c}({i})" for c, i in _running(word, letter))
         fields = {"l": letter, "w": word, "n": n, "times": "time" if n == 1 else "times",
                   "plural": "" if n == 1 else "s", "are": "is" if n == 1 else "are"}
-        intro = _expand(rng.choice(_BEE_INTROS), rng).format(**fields)
+        intro = expand(rng.choice(_BEE_INTROS), rng).format(**fields)
         parts = [
             {"type": "text", "text": f"{intro}Spelled out with a running count of '{letter}': {counted}. "
                                      "Let me check with Python:\n"},
             {"type": "python", "text": f"'{word}'.count('{letter}')"},
             {"type": "python_output", "text": str(n)},
-            {"type": "text", "text": "\n" + _expand(rng.choice(_BEE_ENDS), rng).format(**fields) + f"\n#### {n}"},
+            {"type": "text", "text": "\n" + expand(rng.choice(_BEE_ENDS), rng).format(**fields) + f"\n#### {n}"},
         ]
         return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": parts}],
                 "word": word, "letter": letter, "answer": str(n)}
@@ -206,10 +182,10 @@ class SimpleSpelling(_WordTask):
     def get_example(self, index: int) -> dict:
         rng = self._rng(index)
         word = rng.choice(self.words)
-        question = _expand(rng.choice(_SPELL_QUESTIONS), rng).format(w=rng.choice(_QUOTES).format(word))
+        question = expand(rng.choice(_SPELL_QUESTIONS), rng).format(w=rng.choice(_QUOTES).format(word))
         if rng.random() < 0.2:
             question = question[:1].upper() + question[1:]
-        answer = _expand(rng.choice(_SPELL_ANSWERS), rng).format(w=word, W=word.capitalize(), s="-".join(word))
+        answer = expand(rng.choice(_SPELL_ANSWERS), rng).format(w=word, W=word.capitalize(), s="-".join(word))
         return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
                 "word": word}
 

@@ -17,37 +17,21 @@ reply contains one of them as a whole word (case-insensitive). For identity that
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 
-from flaxchat.errors import UserError
-from tasks.base import Task
+from tasks.base import GeneratedTask, expand, split_of
 
-SPLITS = ("train", "val", "test")
-DEFAULT_SIZE = {"train": 5000, "val": 500, "test": 500}
 MAX_DRAWS = 10_000  # a split owns ~10% of prompts, so ~10 draws on average; this bound is only a guard
 
 
 # --- template markup and split buckets --------------------------------------------------------
 
-_CHOICE = re.compile(r"\[([^\[\]]*)\]")
-
-
-def _expand(template: str, rng: random.Random) -> str:
-    """Replace each `[a|b|c]` (innermost first, so they may nest) with one alternative."""
-    while True:
-        m = _CHOICE.search(template)
-        if m is None:
-            return template
-        template = template[:m.start()] + rng.choice(m.group(1).split("|")) + template[m.end():]
 
 
 def _split_of(key: str) -> str:
     """Which split owns a prompt: 10% val, 10% test, 80% train, by a hash stable across processes."""
-    normal = " ".join(re.sub(r"[^a-z0-9 ]", " ", key.lower()).split())
-    bucket = int.from_bytes(hashlib.blake2b(normal.encode(), digest_size=8).digest(), "big") % 10
-    return "val" if bucket == 0 else "test" if bucket == 1 else "train"
+    return split_of(" ".join(re.sub(r"[^a-z0-9 ]", " ", key.lower()).split()))
 
 
 def _cap(text: str) -> str:
@@ -196,7 +180,7 @@ def _colour(rng):
     def one(rng, item, qs):
         thing, names = item
         f = {"t": thing, "T": _cap(thing), "c": names[0], "C": _cap(names[0])}
-        return _expand(rng.choice(qs), rng).format(**f), _expand(rng.choice(_COLOUR_A), rng).format(**f), names
+        return expand(rng.choice(qs), rng).format(**f), expand(rng.choice(_COLOUR_A), rng).format(**f), names
     item = rng.choice(_COLOURS)
     q, a, e = one(rng, item, _COLOUR_Q)
     other = rng.choice([x for x in _COLOURS if x[0] != item[0]])
@@ -207,7 +191,7 @@ def _sound(rng):
     def one(rng, item, qs):
         animal, plural, sounds = item
         f = {"a": animal, "p": plural, "P": _cap(plural), "s": sounds[0], "S": _cap(sounds[0])}
-        return _expand(rng.choice(qs), rng).format(**f), _expand(rng.choice(_SOUND_A), rng).format(**f), sounds
+        return expand(rng.choice(qs), rng).format(**f), expand(rng.choice(_SOUND_A), rng).format(**f), sounds
     item = rng.choice(_SOUNDS)
     q, a, e = one(rng, item, _SOUND_Q)
     other = rng.choice([x for x in _SOUNDS if x[0] != item[0]])
@@ -229,7 +213,7 @@ def _opposite(rng):
         names = table[word]
         o = rng.choice(names)
         f = {"w": word, "o": o, "O": _cap(o)}
-        return _expand(rng.choice(qs), rng).format(**f), _expand(rng.choice(_OPPOSITE_A), rng).format(**f), names
+        return expand(rng.choice(qs), rng).format(**f), expand(rng.choice(_OPPOSITE_A), rng).format(**f), names
     words = sorted(table)
     word = rng.choice(words)
     q, a, e = one(rng, word, _OPPOSITE_Q)
@@ -241,7 +225,7 @@ def _capital(rng):
     def one(rng, item, qs):
         country, cities = item
         f = {"c": country, "x": cities[0], "X": cities[0]}
-        return _expand(rng.choice(qs), rng).format(**f), _expand(rng.choice(_CAPITAL_A), rng).format(**f), cities
+        return expand(rng.choice(qs), rng).format(**f), expand(rng.choice(_CAPITAL_A), rng).format(**f), cities
     item = rng.choice(_CAPITALS)
     q, a, e = one(rng, item, _CAPITAL_Q)
     other = rng.choice([x for x in _CAPITALS if x[0] != item[0]])
@@ -258,7 +242,7 @@ def _sequence(rng):
     else:
         qs, answers = (_NEXT_Q, _NEXT_A) if forward else (_PREV_Q, _PREV_A)
     f = {"kind": kind, "x": names[i], "y": y}
-    return _expand(rng.choice(qs), rng).format(**f), _expand(rng.choice(answers), rng).format(**f), [y], None
+    return expand(rng.choice(qs), rng).format(**f), expand(rng.choice(answers), rng).format(**f), [y], None
 
 
 def _counting(rng):
@@ -268,24 +252,24 @@ def _counting(rng):
         b = a + rng.randint(2, 8)
         seq = ", ".join(str(n) for n in range(a, b + 1))
         f = {"a": a, "b": b, "seq": seq}
-        return _expand(rng.choice(_COUNT_Q), rng).format(**f), _expand(rng.choice(_COUNT_A), rng).format(**f), [seq], None
+        return expand(rng.choice(_COUNT_Q), rng).format(**f), expand(rng.choice(_COUNT_A), rng).format(**f), [seq], None
     a = rng.randint(2, 50)
     qs, answers, b = (_AFTER_Q, _AFTER_A, a + 1) if r < 0.8 else (_BEFORE_Q, _BEFORE_A, a - 1)
     f = {"a": a, "b": b}
-    return _expand(rng.choice(qs), rng).format(**f), _expand(rng.choice(answers), rng).format(**f), [str(b)], None
+    return expand(rng.choice(qs), rng).format(**f), expand(rng.choice(answers), rng).format(**f), [str(b)], None
 
 
 def _identity(rng):
     questions, replies = rng.choice(_IDENTITY)
-    q = _expand(_OPENERS + rng.choice(questions), rng)
-    return q, _expand(rng.choice(replies), rng), ["flaxchat"], None
+    q = expand(_OPENERS + rng.choice(questions), rng)
+    return q, expand(rng.choice(replies), rng), ["flaxchat"], None
 
 
 def _greeting(rng):
     g = rng.choice(_GREETINGS)
     asks = "how are you" in g or "what's up" in g
-    q = _expand(_HOW_ARE_YOU_PROMPT if asks else _GREETING_PROMPT, rng).format(g=g, G=_cap(g))
-    return q, _expand(_HOW_ARE_YOU_REPLY if asks else _GREETING_REPLY, rng), _GREETING_EXPECT, None
+    q = expand(_HOW_ARE_YOU_PROMPT if asks else _GREETING_PROMPT, rng).format(g=g, G=_cap(g))
+    return q, expand(_HOW_ARE_YOU_REPLY if asks else _GREETING_REPLY, rng), _GREETING_EXPECT, None
 
 
 _QUESTIONS = (_colour, _sound, _opposite, _capital, _sequence, _counting)
@@ -303,7 +287,7 @@ def _conversation(rng: random.Random) -> dict:
     elif r < 0.80:
         maker = rng.choice(_QUESTIONS)
         kind, (q, a, expect, _) = maker.__name__.lstrip("_"), maker(rng)
-        q = _expand(_OPENERS, rng) + q if rng.random() < 0.3 else q
+        q = expand(_OPENERS, rng) + q if rng.random() < 0.3 else q
         turns = [(q, a)]
     else:  # two turns
         first = rng.random()
@@ -320,7 +304,7 @@ def _conversation(rng: random.Random) -> dict:
             q2, a2, expect = follow(rng)
             kind, turns = "followup+" + maker.__name__.lstrip("_"), [(q1, a1), (q2, a2)]
         else:
-            kind, turns = "thanks", [(q1, a1), (_expand(_THANKS, rng), _expand(rng.choice(_WELCOME), rng))]
+            kind, turns = "thanks", [(q1, a1), (expand(_THANKS, rng), expand(rng.choice(_WELCOME), rng))]
             expect = _WELCOME_EXPECT
     messages = []
     for q, a in turns:
@@ -332,24 +316,11 @@ def _contains_word(text: str, phrase: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text, flags=re.IGNORECASE) is not None
 
 
-class SyntheticChat(Task):
+class SyntheticChat(GeneratedTask):
     """Greetings, identity and simple Q&A; `expect` holds the accepted answers of the last reply."""
 
     name = "chat"
     eval_type = "generative"
-
-    def __init__(self, split: str = "train", size: int | None = None, seed: int = 0,
-                 start: int = 0, stop: int | None = None, step: int = 1):
-        if split not in SPLITS:
-            raise UserError(f"unknown split {split!r} for task {self.name}; use one of {', '.join(SPLITS)}.")
-        if size is not None and (not isinstance(size, int) or size < 0):
-            raise UserError(f"the size of task {self.name} must be a whole number >= 0 (got {size!r}).")
-        super().__init__(start, stop, step)
-        self.split, self.seed = split, seed
-        self.size = DEFAULT_SIZE[split] if size is None else size
-
-    def num_examples(self) -> int:
-        return self.size
 
     def get_example(self, index: int) -> dict:
         rng = random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")

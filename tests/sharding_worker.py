@@ -4,10 +4,8 @@ processes (then JAX_COORDINATOR_ADDRESS etc. are set)."""
 
 import json
 import os
-import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

@@ -1,7 +1,6 @@
 """Sharding: dp and fsdp give the same step, fsdp splits parameter bytes, across processes too;
 the bf16 path agrees with fp32."""
 
-import dataclasses
 import json
 import os
 import socket
