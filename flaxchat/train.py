@@ -71,6 +71,13 @@ def policy_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets
 
 
 @nnx.jit
+def loss_sum(model: GPT, inputs: jax.Array, targets: jax.Array):
+    """(sum of the per-token losses, number of counted tokens): a validation loss, masks honoured."""
+    losses = token_losses(model, inputs, targets)
+    return jnp.sum(losses), jnp.sum(targets >= 0)
+
+
+@nnx.jit
 def eval_step(model: GPT, inputs: jax.Array, targets: jax.Array, token_bytes: jax.Array):
     """Sums for bits-per-byte: (nats over byte-carrying targets, bytes of those targets, tokens)."""
     losses = token_losses(model, inputs, targets)

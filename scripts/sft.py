@@ -80,11 +80,11 @@ def run(cfg: SFTConfig) -> dict:
 
     import tasks
     from flaxchat.chat_data import ConversationLoader, trained_fraction
-    from flaxchat.common import fmt_duration, global_batch, print0
+    from flaxchat.common import allgather_json, fmt_duration, global_batch, print0
     from flaxchat.config import save_json
     from flaxchat.finetune import StageOptim, check_folders, local_streams, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.train import token_losses, train_step
+    from flaxchat.train import loss_sum, train_step
 
     t_start = time.time()
     # --- tasks first: a bad mixture fails before any model is loaded -------------------------
@@ -131,12 +131,16 @@ def run(cfg: SFTConfig) -> dict:
         total = count = 0.0
         for _ in range(cfg.eval_batches):
             x, y = loader.next_batch()
-            losses = token_losses(model, jnp.asarray(x), jnp.asarray(y))
-            total, count = total + float(jnp.sum(losses)), count + float(np.sum(y >= 0))
+            nats, n = loss_sum(model, jnp.asarray(x), jnp.asarray(y))
+            total, count = total + float(nats), count + float(n)
         return total / max(count, 1.0)
 
     def save(at):
-        states = [ld.state_dict() for ld in loaders]  # one process: every stream is here
+        local = {str(s): ld.state_dict() for s, ld in zip(streams, loaders)}
+        merged = {}
+        for part in allgather_json(local):  # every process's streams, in mesh order
+            merged.update(part)
+        states = [merged[str(i)] for i in range(compute.device_count)]
         stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=os.path.abspath(cfg.base),
                    stage="sft")
 
