@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import random
 
-from tasks.base import GeneratedTask, expand, extract_answer, numbers_equal, split_of
+from tasks.base import GeneratedTask, expand, extract_answer, numbers_equal
 
-MAX_DRAWS = 10_000  # a split owns ~10% of problems, so ~10 draws on average; this bound is only a guard
 
 _NAMES = (("Mia", "she", "her"), ("Tom", "he", "his"), ("Lily", "she", "her"), ("Ben", "he", "his"),
           ("Sara", "she", "her"), ("Omar", "he", "his"), ("Zoe", "she", "her"), ("Leo", "he", "his"),
@@ -220,8 +219,10 @@ TEMPLATES = (_buy, _change, _share, _older, _younger_later, _pages, _pages_left,
              _cookies, _eggs, _give, _together, _more_than, _savings, _legs, _practice)
 
 
-def _split_of(template: int, numbers: tuple[int, ...]) -> str:
-    return split_of(f"{template}:{','.join(map(str, numbers))}")
+def _held_out_problem(rng: random.Random) -> tuple[str, dict]:
+    """(split key, conversation): the template and its numbers decide the split, not the wording."""
+    t, numbers, conv = _problem(rng)
+    return f"{t}:{','.join(map(str, numbers))}", conv
 
 
 def _problem(rng: random.Random) -> tuple[int, tuple[int, ...], dict]:
@@ -249,12 +250,7 @@ class Arithmetic(GeneratedTask):
     eval_type = "generative"
 
     def get_example(self, index: int) -> dict:
-        rng = random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")
-        for _ in range(MAX_DRAWS):
-            t, numbers, conv = _problem(rng)
-            if _split_of(t, numbers) == self.split:
-                return conv
-        raise RuntimeError(f"no {self.split} problem in {MAX_DRAWS} draws (example {index})")
+        return self.draw_held_out(index, _held_out_problem)
 
     def evaluate(self, conversation: dict, response: str) -> bool:
         return numbers_equal(extract_answer(response), conversation["answer"])

@@ -79,7 +79,22 @@ class GeneratedTask(Task):
     def num_examples(self) -> int:
         return self.size
 
+    def rng(self, index: int) -> random.Random:
+        """Example `index`'s own generator: random access, the same example in every process."""
+        return random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")
 
+    def draw_held_out(self, index: int, make) -> dict:
+        """Example `index` of this split: `make(rng) -> (key, conversation)` is drawn until `split_of(key)`
+        is this split, so content held out of training never appears there."""
+        rng = self.rng(index)
+        for _ in range(MAX_DRAWS):
+            key, conversation = make(rng)
+            if split_of(key) == self.split:
+                return conversation
+        raise RuntimeError(f"no {self.split} example of task {self.name} in {MAX_DRAWS} draws (example {index})")
+
+
+MAX_DRAWS = 10_000  # a split owns ~10% of the content, so ~10 draws on average; this bound is only a guard
 SPLITS = ("train", "val", "test")
 
 

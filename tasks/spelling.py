@@ -13,7 +13,6 @@ val or test question is about a word that train never asks about.
 from __future__ import annotations
 
 import functools
-import random
 import re
 
 from tasks.base import GeneratedTask, expand, extract_answer, numbers_equal, split_of
@@ -66,7 +65,7 @@ def words_of(split: str) -> tuple[str, ...]:
 
 
 class _WordTask(GeneratedTask):
-    """Shared by the two letter tasks: words of the split, one RNG per example."""
+    """Shared by the two letter tasks: the words of the split."""
 
     default_size = {"train": 5000, "val": 200, "test": 200}
 
@@ -74,9 +73,6 @@ class _WordTask(GeneratedTask):
                  start: int = 0, stop: int | None = None, step: int = 1):
         super().__init__(split, size, seed, start, stop, step)
         self.words = words_of(split)
-
-    def _rng(self, index: int) -> random.Random:
-        return random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")
 
 
 # --- SpellingBee ---------------------------------------------------------------------------------
@@ -117,7 +113,7 @@ class SpellingBee(_WordTask):
     eval_type = "generative"
 
     def get_example(self, index: int) -> dict:
-        rng = self._rng(index)
+        rng = self.rng(index)
         word = rng.choice(self.words)
         # mostly a letter of the word; sometimes any letter, so that "0" is an answer too
         letter = rng.choice(word) if rng.random() < 0.85 else rng.choice("abcdefghijklmnopqrstuvwxyz")
@@ -180,7 +176,7 @@ class SimpleSpelling(_WordTask):
     eval_type = "generative"
 
     def get_example(self, index: int) -> dict:
-        rng = self._rng(index)
+        rng = self.rng(index)
         word = rng.choice(self.words)
         question = expand(rng.choice(_SPELL_QUESTIONS), rng).format(w=rng.choice(_QUOTES).format(word))
         if rng.random() < 0.2:

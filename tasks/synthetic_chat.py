@@ -20,18 +20,20 @@ from __future__ import annotations
 import random
 import re
 
-from tasks.base import GeneratedTask, expand, split_of
+from tasks.base import GeneratedTask, expand
 
-MAX_DRAWS = 10_000  # a split owns ~10% of prompts, so ~10 draws on average; this bound is only a guard
 
 
 # --- template markup and split buckets --------------------------------------------------------
 
 
 
-def _split_of(key: str) -> str:
-    """Which split owns a prompt: 10% val, 10% test, 80% train, by a hash stable across processes."""
-    return split_of(" ".join(re.sub(r"[^a-z0-9 ]", " ", key.lower()).split()))
+def _held_out_conversation(rng: random.Random) -> tuple[str, dict]:
+    """(split key, conversation): the user's prompts, normalised, decide the split, so the same
+    question reworded by case or punctuation never crosses splits."""
+    conv = _conversation(rng)
+    prompt = " | ".join(m["content"] for m in conv["messages"] if m["role"] == "user")
+    return " ".join(re.sub(r"[^a-z0-9 ]", " ", prompt.lower()).split()), conv
 
 
 def _cap(text: str) -> str:
@@ -323,13 +325,7 @@ class SyntheticChat(GeneratedTask):
     eval_type = "generative"
 
     def get_example(self, index: int) -> dict:
-        rng = random.Random(f"{self.name}/{self.seed}/{self.split}/{index}")
-        for _ in range(MAX_DRAWS):
-            conv = _conversation(rng)
-            prompt = " | ".join(m["content"] for m in conv["messages"] if m["role"] == "user")
-            if _split_of(prompt) == self.split:
-                return conv
-        raise RuntimeError(f"no {self.split} prompt in {MAX_DRAWS} draws (example {index}); the tables are too small")
+        return self.draw_held_out(index, _held_out_conversation)
 
     def evaluate(self, conversation: dict, response: str) -> bool:
         return any(_contains_word(response, e) for e in conversation["expect"])
