@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,21 @@ def device_peak_flops(compute: "Compute") -> float:
             return peak
     # Devices of a fake multi-device CPU share the same cores: the peak is the machine's, split.
     return measured_matmul_peak(dtype=compute.compute_dtype) / max(1, jax.local_device_count())
+
+
+def local_streams(compute: "Compute") -> list[int]:
+    """This process's data streams: the positions of its devices on the mesh, in mesh order. One
+    stream per device keeps the global batch independent of how devices spread over processes."""
+    return [i for i, d in enumerate(compute.mesh.devices.flat) if d.process_index == jax.process_index()]
+
+
+def gather_streams(local: dict[int, Any], count: int) -> list:
+    """Every stream's state (e.g. a data loader's), in stream order, from `{stream: state}` of each
+    process: what a checkpoint stores so any process layout can resume."""
+    merged: dict[str, Any] = {}
+    for part in allgather_json({str(k): v for k, v in local.items()}):
+        merged.update(part)
+    return [merged[str(i)] for i in range(count)]
 
 
 def allgather_json(obj) -> list:

@@ -195,6 +195,16 @@ def dataclass_from_args(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def parse_config(cls, argv, *, prog: str, description: str | None, defaults: Mapping[str, Any] | None = None,
+                 help: Mapping[str, str] | None = None):
+    """A script's config dataclass from its command line (one --kebab-case flag per field), validated."""
+    parser = ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(parser, cls, defaults, help)
+    cfg = dataclass_from_args(cls, parser.parse_args(argv))
+    cfg.validate()
+    return cfg
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as a UserError (one sentence, exit 2) instead of exiting."""
 

@@ -16,6 +16,20 @@ from typing import Any
 from flaxchat.errors import UserError
 
 
+# --help of the flags every stage has.
+STAGE_HELP = {
+    "run_dir": "this stage's own run folder: checkpoints, tokenizer copy, report, metrics (resumed if present)",
+    "steps": "optimizer steps",
+    "lr_frac": "fraction of the pretraining learning rates; decays linearly to 0",
+    "save_every": "steps between checkpoints (0: only the last step; it is always saved)",
+    "keep_checkpoints": "how many checkpoints to keep",
+    "log_every": "steps between progress lines",
+    "seed": "seed of the data order and the sampling",
+    "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
+    "fresh": "start at step 0 even if --run-dir has a checkpoint (the old one is moved aside, not deleted)",
+}
+
+
 @dataclasses.dataclass
 class Stage:
     compute: Any
@@ -30,7 +44,7 @@ class Stage:
 
     def save(self, step: int, **meta) -> None:
         self.checkpointer.save(step, self.model, self.optimizer,
-                               dict(meta, model_config=self.model.config.to_dict(), tokens_seen=0))
+                               dict(meta, model_config=self.model.config.to_dict()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +66,6 @@ def check_folders(base: str, run_dir: str) -> None:
     if Path(run_dir).expanduser().resolve() == paths.run_dir.resolve():
         raise UserError(f"--run-dir {run_dir} is the base model's own folder; give the stage a folder of its own "
                         "so the base checkpoint is never overwritten.")
-
-
-def peek(base: str):
-    """(model config, tokenizer) of a run, without loading its weights."""
-    from flaxchat.checkpoint import Checkpointer
-    from flaxchat.config import GPTConfig
-    from flaxchat.loading import _tokenizer_dir, resolve
-    from flaxchat.tokenizer import Tokenizer
-    paths = resolve(base)
-    ckpt = Checkpointer(str(paths.checkpoints), max_to_keep=None, async_save=False)
-    try:
-        meta = ckpt.read_meta(paths.step)
-    finally:
-        ckpt.close()
-    return GPTConfig.from_dict(meta["model_config"]), Tokenizer.load(_tokenizer_dir(paths, meta))
 
 
 def open_stage(base: str, run_dir: str, *, steps: int, optim: StageOptim, dtype: str = "auto",
@@ -114,9 +113,3 @@ def open_stage(base: str, run_dir: str, *, steps: int, optim: StageOptim, dtype:
         step = checkpointer.restore(model, optimizer, resume)["step"]
         log(f"resumed from step {step} in {ckpt_dir}")
     return Stage(compute, model, tokenizer, optimizer, schedule, checkpointer, step, meta, base_meta)
-
-
-def local_streams(compute) -> list[int]:
-    """Positions on the mesh's data axis of this process's devices: its data streams."""
-    import jax
-    return [i for i, d in enumerate(compute.mesh.devices.flat) if d.process_index == jax.process_index()]

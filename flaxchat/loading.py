@@ -54,6 +54,40 @@ def _tokenizer_dir(paths: RunPaths, meta: dict) -> Path:
                     f"{' and ' + saved if saved else ''}); copy the run's tokenizer/ folder next to checkpoints/.")
 
 
+def _checked_meta(ckpt, paths: RunPaths):
+    """(meta, model config) of the asked step, or one sentence saying why there is none."""
+    from flaxchat.config import GPTConfig
+    steps = ckpt.all_steps()
+    if paths.step is not None and paths.step not in steps:
+        raise UserError(f"step {paths.step} is not in {paths.checkpoints} (steps there: "
+                        f"{', '.join(map(str, sorted(steps))) or 'none'}).")
+    meta = ckpt.read_meta(paths.step)
+    if "model_config" not in meta:
+        raise UserError(f"the checkpoint in {paths.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
+    return meta, dataclasses.replace(GPTConfig.from_dict(meta["model_config"]), grad_checkpoint=False)
+
+
+def _matching_tokenizer(paths: RunPaths, meta: dict, cfg):
+    from flaxchat.tokenizer import Tokenizer
+    tokenizer = Tokenizer.load(_tokenizer_dir(paths, meta))
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size}; "
+                        "they come from different runs.")
+    return tokenizer
+
+
+def read_run(path: str | os.PathLike, step: int | None = None):
+    """(model config, tokenizer, meta) of a run, without loading its weights."""
+    from flaxchat.checkpoint import Checkpointer
+    paths = resolve(path, step)
+    ckpt = Checkpointer(str(paths.checkpoints), max_to_keep=None, async_save=False)
+    try:
+        meta, cfg = _checked_meta(ckpt, paths)
+    finally:
+        ckpt.close()
+    return cfg, _matching_tokenizer(paths, meta, cfg), meta
+
+
 def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokenizer: bool = True):
     """(model, tokenizer or None, meta) from a run folder, checkpoints folder or step folder."""
     import jax
@@ -61,22 +95,12 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
 
     from flaxchat.checkpoint import Checkpointer
     from flaxchat.common import resolve_dtype
-    from flaxchat.config import GPTConfig
     from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import Tokenizer
 
     paths = resolve(path, step)
     ckpt = Checkpointer(str(paths.checkpoints), max_to_keep=None, async_save=False)
     try:
-        steps = ckpt.all_steps()
-        if paths.step is not None and paths.step not in steps:
-            raise UserError(f"step {paths.step} is not in {paths.checkpoints} (steps there: "
-                            f"{', '.join(map(str, sorted(steps))) or 'none'}).")
-        meta = ckpt.read_meta(paths.step)
-        if "model_config" not in meta:
-            raise UserError(f"the checkpoint in {paths.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
-        cfg = GPTConfig.from_dict(meta["model_config"])
-        cfg = dataclasses.replace(cfg, grad_checkpoint=False)
+        meta, cfg = _checked_meta(ckpt, paths)
         # Abstract parameters (shapes only): restoring fills them, so no time goes into a random
         # initialisation that is thrown away (~1 s per op-by-op init on a small CPU).
         # No mesh in context: a training stage earlier in this process may have set one, and the
@@ -86,10 +110,7 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
             meta = ckpt.restore(model, step=paths.step)
     finally:
         ckpt.close()
-    tokenizer = Tokenizer.load(_tokenizer_dir(paths, meta)) if with_tokenizer else None
-    if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size}; "
-                        "they come from different runs.")
+    tokenizer = _matching_tokenizer(paths, meta, cfg) if with_tokenizer else None
     return model, tokenizer, meta
 
 

@@ -16,7 +16,7 @@ import math
 import sys
 import time
 
-from flaxchat.config import ArgumentParser, TrainConfig, add_dataclass_args, dataclass_from_args
+from flaxchat.config import TrainConfig, parse_config
 from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
 
 HELP = {
@@ -33,12 +33,8 @@ SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
 
 
 def parse_args(argv, defaults=None, description=__doc__):
-    parser = ArgumentParser(prog="python -m scripts.pretrain", description=description,
-                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    add_dataclass_args(parser, TrainConfig, defaults, HELP)
-    cfg = dataclass_from_args(TrainConfig, parser.parse_args(argv))
-    cfg.validate()
-    return cfg
+    return parse_config(TrainConfig, argv, prog="python -m scripts.pretrain", description=description,
+                        defaults=defaults, help=HELP)
 
 
 def main(argv=None, defaults=None) -> int:
@@ -54,7 +50,8 @@ def run(tc: TrainConfig) -> dict:
 
     from flaxchat import checkpoint as ckpt
     from flaxchat import paths, sharding
-    from flaxchat.common import allgather_json, compute_init, device_peak_flops, fmt_duration, global_batch, peak_rss_mb, print0
+    from flaxchat.common import (compute_init, device_peak_flops, fmt_duration, gather_streams, global_batch,
+                                 local_streams, peak_rss_mb, print0)
     from flaxchat.config import GPTConfig, config_for_depth
     from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
     from flaxchat.data.prefetch import Prefetcher
@@ -157,7 +154,7 @@ def run(tc: TrainConfig) -> dict:
 
     # --- data loaders: one stream per device, so the global batch does not depend on how the
     # devices are spread over processes (2 processes x 1 device == 1 process x 2 devices).
-    local_shards = _local_shard_indices(compute)
+    local_shards = local_streams(compute)
     loaders = [PackingLoader(train_src, tokenizer, tc.device_batch_size, T, process_index=s,
                              process_count=compute.device_count) for s in local_shards]
     step = 0
@@ -182,11 +179,7 @@ def run(tc: TrainConfig) -> dict:
         return global_batch(compute, x), global_batch(compute, y)
 
     def loader_meta():
-        local = dict(zip(local_shards, batches.state_dict()))
-        merged = {}
-        for part in allgather_json({str(k): v for k, v in local.items()}):
-            merged.update(part)
-        return [merged[str(i)] for i in range(compute.device_count)]
+        return gather_streams(dict(zip(local_shards, batches.state_dict())), compute.device_count)
 
     def save(at_step):
         print0(f"step {at_step:05d} | saving checkpoint")
@@ -299,13 +292,6 @@ def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
-
-
-def _local_shard_indices(compute) -> list[int]:
-    """Positions on the mesh's data axis of this process's devices, in mesh order."""
-    devices = list(compute.mesh.devices.flat)
-    import jax
-    return [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from flaxchat.config import ArgumentParser, add_dataclass_args, dataclass_from_args
+from flaxchat.config import parse_config
 from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
 
 
@@ -49,8 +49,9 @@ class RLConfig:
     def validate(self) -> None:
         if not self.base:
             raise UserError("--base is required: the run folder of the SFT model to improve (e.g. runs/d4-sft).")
-        if min(self.steps, self.prompts, self.samples, self.max_new_tokens, self.eval_examples) < 1:
-            raise UserError("--steps, --prompts, --samples, --max-new-tokens and --eval-examples must be at least 1.")
+        if min(self.steps, self.prompts, self.samples, self.max_new_tokens, self.eval_examples, self.log_every) < 1:
+            raise UserError("--steps, --prompts, --samples, --max-new-tokens, --eval-examples and --log-every must be "
+                            "at least 1.")
         if self.samples < 2:
             raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
 
@@ -58,18 +59,20 @@ class RLConfig:
 HELP = {
     "base": "run folder of the model to improve (an SFT run); only read",
     "task": "task to learn, e.g. arithmetic or gsm8k@data/gsm8k.parquet (train split; val split measures)",
+    "prompts": "problems per step",
     "samples": "answers sampled per problem; their mean reward is the baseline",
+    "max_new_tokens": "longest answer sampled",
+    "temperature": "sampling temperature of the answers that train",
+    "top_k": "sample among the k likeliest tokens",
     "row_len": "tokens per training row; longer prompts+answers are cut",
+    "eval_every": "steps between pass@1 measurements (0: only at the start and the end)",
+    "eval_examples": "held-out problems for pass@1 (greedy)",
 }
 
 
 def parse_args(argv) -> RLConfig:
-    parser = ArgumentParser(prog="python -m scripts.rl", description=__doc__,
-                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    add_dataclass_args(parser, RLConfig, None, HELP)
-    cfg = dataclass_from_args(RLConfig, parser.parse_args(argv))
-    cfg.validate()
-    return cfg
+    from flaxchat.finetune import STAGE_HELP
+    return parse_config(RLConfig, argv, prog="python -m scripts.rl", description=__doc__, help=STAGE_HELP | HELP)
 
 
 def main(argv=None) -> int:
@@ -84,13 +87,13 @@ def run(cfg: RLConfig) -> dict:
     from flaxchat.common import fmt_duration, global_batch, print0
     from flaxchat.config import save_json
     from flaxchat.engine import Engine
-    from flaxchat.finetune import StageOptim, check_folders, open_stage
+    from flaxchat.evaluation import generative_accuracy
+    from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.tools import calculate
     from flaxchat.train import policy_step
 
     t_start = time.time()
-    check_folders(cfg.base, cfg.run_dir)
     train_task, val_task = open_task(cfg.task, "train"), open_task(cfg.task, "val")
     print0(f"task: {cfg.task}: {len(train_task):,} training problems, {len(val_task):,} held out")
     stage = open_stage(cfg.base, cfg.run_dir, steps=cfg.steps, fresh=cfg.fresh, dtype=cfg.dtype,
@@ -105,20 +108,15 @@ def run(cfg: RLConfig) -> dict:
     def refresh_engine():
         _, engine.params = nnx.split(model)  # the step donated the old parameter buffers
 
-    def answer(conv, seed, samples, temperature):
+    def answer(conv, seed):
         prompt = tokenizer.render_for_completion(conv)[-(L - 8):]
-        outs, masks = engine.generate_batch(prompt, samples, cfg.max_new_tokens, temperature=temperature,
+        outs, masks = engine.generate_batch(prompt, cfg.samples, cfg.max_new_tokens, temperature=cfg.temperature,
                                             top_k=cfg.top_k, seed=seed)
         return prompt, outs, masks
 
-    def pass_at_1() -> float:
-        n = min(cfg.eval_examples, len(val_task))
-        right = 0
-        for i in range(n):
-            conv = val_task[i]
-            _, outs, _ = answer(conv, 0, 1, 0.0)
-            right += bool(val_task.evaluate(conv, tokenizer.decode(outs[0])))
-        return right / n
+    def pass_at_1() -> float:  # greedy, on the first --eval-examples held-out problems
+        return generative_accuracy(engine, tokenizer, val_task, cfg.eval_examples, max_tokens=cfg.max_new_tokens,
+                                   temperature=0.0)["accuracy"]
 
     def rollout(step):
         """(inputs, targets, weights) of shape (prompts, samples, L-1), and the rewards."""
@@ -128,8 +126,7 @@ def run(cfg: RLConfig) -> dict:
         rewards = np.zeros((cfg.prompts, cfg.samples), np.float32)
         for j in range(cfg.prompts):
             conv = train_task[(step * cfg.prompts + j) % len(train_task)]
-            prompt, outs, masks = answer(conv, cfg.seed * 1_000_003 + step * cfg.prompts + j, cfg.samples,
-                                         cfg.temperature)
+            prompt, outs, masks = answer(conv, cfg.seed * 1_000_003 + step * cfg.prompts + j)
             for r, (out, mask) in enumerate(zip(outs, masks)):
                 rewards[j, r] = train_task.reward(conv, tokenizer.decode(out))
                 if len(out) < cfg.max_new_tokens:  # it stopped by itself: <|assistant_end|> was sampled too
@@ -166,12 +163,12 @@ def run(cfg: RLConfig) -> dict:
             if compute.is_main:
                 metrics.append(kind="train", step=step, loss=1.0 - mean_r, reward=mean_r, time=time.time())
             recent = []
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0):
             evals[str(step)] = pass_at_1()
             print0(f"step {step:05d} | pass@1 {100 * evals[str(step)]:.1f}%")
             if compute.is_main:
                 metrics.append(kind="val", step=step, pass_at_1=evals[str(step)])
-        if step == cfg.steps or step % cfg.save_every == 0:
+        if step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
             stage.save(step, rl_config=dataclasses.asdict(cfg), evals=evals, base=os.path.abspath(cfg.base), stage="rl")
     stage.checkpointer.close()
 

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from flaxchat.config import ArgumentParser, add_dataclass_args, dataclass_from_args
+from flaxchat.config import parse_config
 from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
 
 CHECK_PROMPTS = ["Who are you?", "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"]
@@ -47,26 +47,30 @@ class SFTConfig:
     def validate(self) -> None:
         if not self.base:
             raise UserError("--base is required: the run folder of the model to finetune (e.g. runs/d4).")
-        if self.device_batch_size < 1 or self.grad_accum < 1:
-            raise UserError("--device-batch-size and --grad-accum must be at least 1.")
+        if self.device_batch_size < 1 or self.grad_accum < 1 or self.log_every < 1:
+            raise UserError("--device-batch-size, --grad-accum and --log-every must be at least 1.")
         if self.steps == 0 or self.steps < -1 or self.epochs <= 0:
             raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
 
 
-HELP = {f.name: "" for f in dataclasses.fields(SFTConfig)} | {
+HELP = {
     "base": "run folder (or checkpoint) of the model to finetune; only read",
     "mix": "tasks and weights, e.g. 'chat:2,spelling,arithmetic' or 'gsm8k@data/gsm8k.parquet'",
-    "lr_frac": "fraction of the pretraining learning rates; decays linearly to 0",
+    "val_mix": "tasks for the validation loss (default: --mix, on the validation split)",
+    "epochs": "passes over the mixture when --steps is -1",
+    "steps": "optimizer steps; -1 derives them from --epochs",
+    "device_batch_size": "rows per micro-batch per device (whole conversations packed into each)",
+    "grad_accum": "micro-batches per optimizer step",
+    "weight_decay": "Muon's weight decay",
+    "eval_every": "steps between validation losses (0: none)",
+    "eval_batches": "validation batches per evaluation",
 }
 
 
 def parse_args(argv, defaults=None) -> SFTConfig:
-    parser = ArgumentParser(prog="python -m scripts.sft", description=__doc__,
-                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    add_dataclass_args(parser, SFTConfig, defaults, {k: v for k, v in HELP.items() if v})
-    cfg = dataclass_from_args(SFTConfig, parser.parse_args(argv))
-    cfg.validate()
-    return cfg
+    from flaxchat.finetune import STAGE_HELP
+    return parse_config(SFTConfig, argv, prog="python -m scripts.sft", description=__doc__, defaults=defaults,
+                        help=STAGE_HELP | HELP)
 
 
 def main(argv=None) -> int:
@@ -76,19 +80,18 @@ def main(argv=None) -> int:
 
 def run(cfg: SFTConfig) -> dict:
     import jax.numpy as jnp
-    import numpy as np
 
     import tasks
     from flaxchat.chat_data import ConversationLoader, trained_fraction
-    from flaxchat.common import allgather_json, fmt_duration, global_batch, print0
+    from flaxchat.common import fmt_duration, gather_streams, global_batch, local_streams, print0
     from flaxchat.config import save_json
-    from flaxchat.finetune import StageOptim, check_folders, local_streams, open_stage
+    from flaxchat.data.loader import LoaderGroup
+    from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.train import loss_sum, train_step
 
     t_start = time.time()
     # --- tasks first: a bad mixture fails before any model is loaded -------------------------
-    check_folders(cfg.base, cfg.run_dir)
     train_set = tasks.parse_mix(cfg.mix, seed=cfg.seed, split="train")
     val_set = tasks.parse_mix(cfg.val_mix or cfg.mix, seed=cfg.seed, split="val")
     print0(f"data: {len(train_set):,} training conversations ({cfg.mix}), {len(val_set):,} for validation")
@@ -98,8 +101,8 @@ def run(cfg: SFTConfig) -> dict:
         steps = cfg.steps
     else:
         import jax
-        from flaxchat.finetune import peek
-        model_cfg, tok = peek(cfg.base)
+        from flaxchat.loading import read_run
+        model_cfg, tok, _ = read_run(cfg.base)
         rows_per_step = cfg.device_batch_size * jax.device_count() * cfg.grad_accum
         per_row = conversations_per_row(train_set, tok, model_cfg.sequence_len, cfg.seed)
         steps = max(1, math.ceil(cfg.epochs * len(train_set) / (per_row * rows_per_step)))
@@ -117,13 +120,10 @@ def run(cfg: SFTConfig) -> dict:
     rows = cfg.device_batch_size * compute.device_count
     print0(f"batch: {cfg.grad_accum} micro-batch(es) of {rows} x {T} tokens per step; {steps} steps")
 
+    batches = LoaderGroup(loaders, cfg.grad_accum)
+
     def next_batch():
-        xs, ys = [], []
-        for _ in range(cfg.grad_accum):
-            pairs = [ld.next_batch() for ld in loaders]
-            xs.append(np.concatenate([p[0] for p in pairs]))
-            ys.append(np.concatenate([p[1] for p in pairs]))
-        x, y = np.stack(xs), np.stack(ys)
+        x, y = batches.next_batch()  # (grad_accum, local rows, T)
         return global_batch(compute, x), global_batch(compute, y), trained_fraction(y)
 
     def val_loss():
@@ -136,11 +136,7 @@ def run(cfg: SFTConfig) -> dict:
         return total / max(count, 1.0)
 
     def save(at):
-        local = {str(s): ld.state_dict() for s, ld in zip(streams, loaders)}
-        merged = {}
-        for part in allgather_json(local):  # every process's streams, in mesh order
-            merged.update(part)
-        states = [merged[str(i)] for i in range(compute.device_count)]
+        states = gather_streams(dict(zip(streams, batches.state_dict())), compute.device_count)
         stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=os.path.abspath(cfg.base),
                    stage="sft")
 

@@ -209,6 +209,8 @@ def test_rl_runs_measures_pass_at_1_and_resumes(base, tmp_path):
     ("sft", ["--base", "BASE", "--run-dir", "BASE"], "base model's own folder"),
     ("sft", ["--base", "BASE", "--mix", "chat:heavy"], "bad weight"),
     ("rl", ["--base", "BASE", "--samples", "1"], "at least 2"),
+    ("sft", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
+    ("rl", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
     ("rl", ["--base", "/nonexistent/run"], "no run folder"),
     ("rl", ["--base", "BASE", "--task", "mmlu@/nonexistent/mmlu.parquet"], "mmlu"),
 ])

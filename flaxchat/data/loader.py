@@ -259,12 +259,13 @@ def reshard_states(states: list[dict], count: int, source=None) -> list[dict]:
 
 
 class LoaderGroup:
-    """The loaders of this process's device shards as one loader: `next_batch()` stacks
+    """The loaders of this process's device shards (PackingLoader, or any loader with next_batch and
+    state_dict, e.g. chat_data.ConversationLoader) as one loader: `next_batch()` stacks
     `grad_accum` micro-batches of every loader into (grad_accum, loaders x batch_size, seq_len),
     shard-major within a micro-batch; `state_dict()` is the list of the loaders' states. Made to
     sit behind one `Prefetcher`, so that a single thread touches the loaders and their source."""
 
-    def __init__(self, loaders: list[PackingLoader], grad_accum: int = 1):
+    def __init__(self, loaders: list, grad_accum: int = 1):
         self.loaders, self.grad_accum = list(loaders), grad_accum
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
