@@ -126,11 +126,14 @@ def run(cfg: SFTConfig) -> dict:
         x, y = batches.next_batch()  # (grad_accum, local rows, T)
         return global_batch(compute, x), global_batch(compute, y), trained_fraction(y)
 
+    val_batches = []  # the same validation batches at every evaluation: packed once, on first use
+
     def val_loss():
-        loader = ConversationLoader(val_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed)
+        if not val_batches:
+            loader = ConversationLoader(val_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed)
+            val_batches.extend(loader.next_batch() for _ in range(cfg.eval_batches))
         total = count = 0.0
-        for _ in range(cfg.eval_batches):
-            x, y = loader.next_batch()
+        for x, y in val_batches:
             nats, n = loss_sum(model, jnp.asarray(x), jnp.asarray(y))
             total, count = total + float(nats), count + float(n)
         return total / max(count, 1.0)
