@@ -1,10 +1,11 @@
 """Inference: a KV cache, prefill + a jitted decode loop, sampling, tool use, speculative decoding.
 
 Design (measured on a 2-core CPU, see docs/inference.md and FIELD-NOTES "Speed facts"):
-* The cache is ONE stacked array per k and v, laid out (layers, batch, kv_heads, time, head_dim).
-  With time next to head_dim a one-token write is a contiguous `dynamic_update_slice` and the
-  attention reads each head's keys as one (time, head_dim) matrix; (batch, time, heads, dim) made
-  XLA copy the whole cache every step.
+* The cache is one array per layer for keys, (batch*kv_heads, head_dim, time), and one for values,
+  (batch*kv_heads, time, head_dim): exactly the operands of the two attention matmuls, so a step
+  writes its column in place and the matmuls read the cache as it lies. A stacked
+  (layers, batch, heads, time, dim) cache made XLA copy every layer's slice every step (~12% of
+  the step), and a reshape between write and read made it copy the whole array.
 * Generation runs inside ONE jitted `while_loop` that stops early when every row is done or a row
   wrote `<|python_end|>` (the host must run the tool). Streaming callers ask for a few tokens per
   call; the loop's state is donated, so the cache is updated in place across calls. A Python loop
@@ -44,32 +45,47 @@ MIN_BUCKET = 64  # smallest cache length; buckets are powers of two up to the mo
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # (layers, batch, kv_heads, time, head_dim)
-    v: jax.Array
+    k: tuple[jax.Array, ...]  # per layer (batch * kv_heads, head_dim, time): keys transposed
+    v: tuple[jax.Array, ...]  # per layer (batch * kv_heads, time, head_dim)
 
 
 def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.n_layer, batch, cfg.n_kv_head, length, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    kshape = (batch * cfg.n_kv_head, cfg.head_dim, length)
+    vshape = (batch * cfg.n_kv_head, length, cfg.head_dim)
+    return KVCache(tuple(jnp.zeros(kshape, dtype) for _ in range(cfg.n_layer)),
+                   tuple(jnp.zeros(vshape, dtype) for _ in range(cfg.n_layer)))
+
+
+def _write(cache: KVCache, layer: int, k, v, pos) -> KVCache:
+    """Write k/v (B,Tn,Hkv,D) of positions pos.. into one layer of the cache."""
+    B, Tn, Hkv, D = k.shape
+    ks, vs = list(cache.k), list(cache.v)
+    k = k.transpose(0, 2, 3, 1).reshape(B * Hkv, D, Tn).astype(ks[layer].dtype)
+    v = v.transpose(0, 2, 1, 3).reshape(B * Hkv, Tn, D).astype(vs[layer].dtype)
+    ks[layer] = jax.lax.dynamic_update_slice(ks[layer], k, (0, 0, pos))
+    vs[layer] = jax.lax.dynamic_update_slice(vs[layer], v, (0, pos, 0))
+    return KVCache(tuple(ks), tuple(vs))
 
 
 def _cached_attention(q, k_all, v_all, pos, window):
-    """q (B,Tn,H,D) at positions pos..pos+Tn-1 against the cache (B,Hkv,T,D); returns (B,Tn,H,D).
+    """q (B,Tn,H,D) at positions pos..pos+Tn-1 against one layer's keys (B*Hkv,D,T) and values
+    (B*Hkv,T,D); returns (B,Tn,H,D).
 
     A key at t is visible to a query at s when s-window < t <= s: the same rule as training, so
     keys not yet written (t > s) and stale ones never count.
     """
     B, Tn, H, D = q.shape
-    Hkv, T = k_all.shape[1], k_all.shape[2]
+    Hkv, T = k_all.shape[0] // B, k_all.shape[2]
     G = H // Hkv
-    # (B, Tn, Hkv, G, D) -> (B, Hkv, G*Tn, D): one plain batched matmul per kv head.
-    qg = q.reshape(B, Tn, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tn, D)
-    s = jnp.einsum("bhqd,bhtd->bhqt", qg, k_all, preferred_element_type=jnp.float32) * D ** -0.5
+    # (B, Tn, Hkv, G, D) -> (B*Hkv, G*Tn, D): one plain batched matmul per kv head, in the cache's
+    # own shape (a reshape of the cache between write and read made XLA copy it every step).
+    qg = q.reshape(B, Tn, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B * Hkv, G * Tn, D)
+    s = jnp.einsum("hqd,hdt->hqt", qg, k_all, preferred_element_type=jnp.float32) * D ** -0.5
     qpos = pos + jnp.tile(jnp.arange(Tn), G)[:, None]
     kpos = jnp.arange(T)[None, :]
     s = jnp.where((kpos <= qpos) & (kpos > qpos - window), s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v_all.dtype)
-    y = jnp.einsum("bhqt,bhtd->bhqd", p, v_all)
+    y = jnp.einsum("hqt,htd->hqd", p, v_all)
     return y.reshape(B, Hkv, G, Tn, D).transpose(0, 3, 1, 2, 4).reshape(B, Tn, H, D)
 
 
@@ -78,18 +94,16 @@ def forward_cached(model: GPT, cache: KVCache, idx: jax.Array, prev: jax.Array, 
 
     `prev` (B,) is the token just before idx[:, 0] (for smear). Returns (logits (B,Tn,V), cache).
     """
-    box = {"k": cache.k, "v": cache.v}
+    box = [cache]
 
     def attend(layer, q, k, v, window):
-        for name, new in (("k", k), ("v", v)):
-            upd = new.transpose(0, 2, 1, 3)[None].astype(box[name].dtype)  # (1, B, Hkv, Tn, D)
-            box[name] = jax.lax.dynamic_update_slice(box[name], upd, (layer, 0, 0, pos, 0))
-        return _cached_attention(q, box["k"][layer], box["v"][layer], pos, window).astype(q.dtype)
+        box[0] = c = _write(box[0], layer, k, v, pos)
+        return _cached_attention(q, c.k[layer], c.v[layer], pos, window).astype(q.dtype)
 
     prev_emb = ops.rms_norm(model.wte(prev[:, None]).astype(model.dtype))
     positions = pos + jnp.arange(idx.shape[1], dtype=jnp.int32)
     logits = model(idx, positions, attend=attend, prev_embedding=prev_emb)
-    return logits, KVCache(box["k"], box["v"])
+    return logits, box[0]
 
 
 def prefill(model: GPT, idx: jax.Array, cache_len: int) -> tuple[jax.Array, KVCache]:
@@ -97,17 +111,14 @@ def prefill(model: GPT, idx: jax.Array, cache_len: int) -> tuple[jax.Array, KVCa
     of `cache_len` positions. Returns (logits (B,P,V), cache). Padding after the real prompt is
     harmless: causal attention keeps it out of the real positions, and decode overwrites it."""
     cfg = model.config
-    cache = init_cache(cfg, idx.shape[0], cache_len, model.dtype)
-    box = {"k": cache.k, "v": cache.v}
+    box = [init_cache(cfg, idx.shape[0], cache_len, model.dtype)]
 
     def attend(layer, q, k, v, window):
-        for name, new in (("k", k), ("v", v)):
-            upd = new.transpose(0, 2, 1, 3)[None].astype(box[name].dtype)
-            box[name] = jax.lax.dynamic_update_slice(box[name], upd, (layer, 0, 0, 0, 0))
+        box[0] = _write(box[0], layer, k, v, 0)
         return ops.causal_attention(q, k, v, window=window, block=cfg.attn_block)
 
     logits = model(idx, attend=attend)
-    return logits, KVCache(box["k"], box["v"])
+    return logits, box[0]
 
 
 # --- sampling -------------------------------------------------------------------------------------
