@@ -325,7 +325,8 @@ def test_recover_brings_back_a_preempted_pod(pod):
     run_dir = pod / "bucket" / "run"
     cmd = standin(run_dir, steps=24, sleep=0.1, **{"save-every": 4})
     lc.run(cmd)
-    until(lambda: any(d.isdigit() and int(d) >= 8 for d in os.listdir(run_dir / "checkpoints")),
+    ckpt = run_dir / "checkpoints"  # made by the stand-in once it starts: it may not exist yet
+    until(lambda: ckpt.is_dir() and any(d.isdigit() and int(d) >= 8 for d in os.listdir(ckpt)),
           what="a checkpoint at step 8")
     emulator.preempt(NAME, Z, P)
     logs = []
