@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -163,3 +164,20 @@ def test_prompts_that_do_not_fit_are_refused(lite):
         lite["float"].generate(list(range(T)), 4)
     with pytest.raises(UserError, match="outside the vocabulary"):
         lite["float"].generate([1, TINY.vocab_size], 4)
+
+
+@needs_litert
+def test_conversion_works_after_a_training_stage_left_a_mesh_set(lite, tmp_path):
+    """SFT/RL set a global mesh (jax.set_mesh) for their whole process; an export later in that process
+    must still be a plain single-device program (it failed with "Dialect `sdy' not found")."""
+    from flaxchat.export.stablehlo import export_forward
+    from flaxchat.export.tflite import TFLiteModel, save_tflite
+
+    jax.set_mesh(jax.make_mesh((1,), ("data",)))
+    try:
+        assert "sdy.mesh" not in export_forward(lite["model"]).mlir_module()
+        path, _ = save_tflite(lite["model"], str(tmp_path / "after_mesh.tflite"))
+    finally:
+        jax.set_mesh(None)
+    tokens = _tokens(3)
+    assert np.abs(TFLiteModel(path).forward(tokens) - logits(lite["model"], jnp.asarray(tokens))).max() < 1e-4
