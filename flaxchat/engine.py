@@ -161,9 +161,11 @@ def _nucleus(srt, p):
     return jnp.where(before < p, srt, -jnp.inf)
 
 
-def sample_token(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+def sample_token(logits: jax.Array, key: jax.Array, s: Sampling, step=None) -> jax.Array:
     """logits (B,V) fp32 -> (B,) int32. `lax.cond` runs only the branch in use, so greedy draws no
-    random numbers and only a large top-k or a top-p without top-k pays for a full sort."""
+    random numbers and only a large top-k or a top-p without top-k pays for a full sort. With
+    `step`, the draw uses `fold_in(key, step)`, derived inside the sampling branch: a greedy decode
+    loop then never runs the PRNG (splitting the key every step cost a few percent of a step)."""
     V = logits.shape[-1]
     kf = min(TOP_K_FAST, V)
 
@@ -189,6 +191,8 @@ def sample_token(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
         return _inverse_cdf(key, x)
 
     def stochastic(x):
+        nonlocal key
+        key = key if step is None else jax.random.fold_in(key, step)
         x = x / jnp.maximum(s.temperature, 1e-6)
         return jax.lax.cond((s.top_k > 0) & (s.top_k <= kf), few, full, x)
 
@@ -203,7 +207,7 @@ class GenState(NamedTuple):
     cache: KVCache
     tokens: jax.Array  # (B, T) i32: the prompt, then every token sampled or forced
     pos: jax.Array  # () i32: index of the newest token, the next one the model reads
-    key: jax.Array  # PRNG key
+    key: jax.Array  # PRNG key; the draw after position p uses fold_in(key, p)
     done: jax.Array  # (B,) bool: the row wrote a stop token
     forced: jax.Array  # (B, FORCED_MAX) i32: tool output the host queued for each row
     forced_len: jax.Array  # (B,) i32
@@ -225,8 +229,7 @@ def _start(graphdef, cache_len, params, prompt, length, key, controls: Controls)
     B, P = prompt.shape
     logits, cache = prefill(model, prompt, cache_len)
     last = jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
-    key, sub = jax.random.split(key)
-    first = sample_token(last, sub, controls.sampling)
+    first = sample_token(last, key, controls.sampling, step=length - 1)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :P].set(prompt)
     tokens = jax.lax.dynamic_update_slice(tokens, first[:, None], (0, length))
     zeros = jnp.zeros((B,), jnp.int32)
@@ -250,15 +253,14 @@ def _advance(graphdef, params, state: GenState, controls: Controls) -> GenState:
         tok = jax.lax.dynamic_slice_in_dim(s.tokens, s.pos, 1, axis=1)
         prev = jax.lax.dynamic_index_in_dim(s.tokens, s.pos - 1, axis=1, keepdims=False)
         logits, cache = forward_cached(model, s.cache, tok, prev, s.pos)
-        key, sub = jax.random.split(s.key)
-        sampled = sample_token(logits[:, 0], sub, controls.sampling)
+        sampled = sample_token(logits[:, 0], s.key, controls.sampling, step=s.pos)
         use_forced = s.forced_ptr < s.forced_len
         nxt = jnp.where(use_forced, s.forced[rows, jnp.minimum(s.forced_ptr, F - 1)], sampled)
         fresh = ~use_forced & ~s.done  # a token the model chose (forced ones never stop a row)
         done = s.done | (fresh & jnp.isin(nxt, controls.stop))
         pause = jnp.any(fresh & (nxt == controls.tool_end))
         tokens = jax.lax.dynamic_update_slice(s.tokens, nxt[:, None], (0, s.pos + 1))
-        s = GenState(cache, tokens, s.pos + 1, key, done, s.forced, s.forced_len,
+        s = GenState(cache, tokens, s.pos + 1, s.key, done, s.forced, s.forced_len,
                      s.forced_ptr + use_forced.astype(jnp.int32))
         return i + 1, s, pause
 
