@@ -104,6 +104,43 @@ def step_kernels() -> int:
     return -1
 
 
+def profile_step(engine, prompt, new: int) -> None:
+    """Where a batch-1 decode step's time goes: XLA:CPU's per-kernel trace events (one greedy run under
+    jax.profiler), summed per step by kind, matrix products by output shape."""
+    import collections
+    import glob
+    import gzip
+    import json
+    import re
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="flaxchat-profile-")
+    decode_run(engine, prompt, new, temperature=0.0, chunk=4096)
+    jax.profiler.start_trace(folder, create_perfetto_trace=True)
+    _, _, n = decode_run(engine, prompt, new, temperature=0.0, chunk=4096)
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    text = next(fn.as_text() for key, fn in E._COMPILED.items() if key[1] == "advance")
+    out_shape = dict(re.findall(r"%(dot[.\d]*) = (\S+?)\{", text))
+    per_kind, kernels = collections.Counter(), collections.defaultdict(set)
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or f"%{name} = " not in text:  # the decode loop's kernels only
+            continue
+        kind = f"dot -> {out_shape.get(name, '?')}" if name.startswith("dot") else re.sub(r"\.\d+$", "", name)
+        per_kind[kind] += e["dur"] / (n - 1)
+        kernels[kind].add(name)
+    total = sum(per_kind.values())
+    if not total:
+        print("profile: no per-kernel events (this jaxlib does not trace XLA:CPU kernels)")
+        return
+    dots = sum(v for k, v in per_kind.items() if k.startswith("dot"))
+    print(f"profile of one decode step (traced, so slower than untraced): {total:,.0f} us in "
+          f"{sum(len(v) for v in kernels.values())} kernels, matrix products {dots / total:.0%}")
+    for kind, us in per_kind.most_common(8):
+        print(f"  {us:7.0f} us  {len(kernels[kind]):3d} x {kind}")
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -180,6 +217,8 @@ def bench_engine(args) -> None:
     print(f"batch 8, temp 0.8 top-k 50: {statistics.median(runs):,.0f} tok/s end to end (best {max(runs):,.0f}) ({load()})")
     again = len(E.compile_log) - compiled - 2  # batch 8 compiles its own prefill and loop once
     print(f"recompiles across {3 * args.repeats + args.repeats + 1} later calls: {again}")
+    if args.profile:
+        profile_step(engine, prompt, args.new_tokens)
 
 
 def bench_speculative(args) -> None:
@@ -212,13 +251,17 @@ def bench_speculative(args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per call (default 128)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per figure; the median and best are printed")
     p.add_argument("--main-run", default=None, help="trained run folder for the speculative benchmark")
     p.add_argument("--draft-run", default=None, help="smaller run folder with the same tokenizer (the draft)")
     p.add_argument("-k", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where a decode step's time goes, kernel by kernel (XLA:CPU trace)")
     args = p.parse_args(argv)
+    if args.profile:  # read when the CPU backend starts, i.e. before the first computation
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
     bench_engine(args)
     if args.main_run and args.draft_run:
         bench_speculative(args)
