@@ -181,6 +181,8 @@ def test_several_samples_per_prompt_and_seeds(model, engine):
     c, _ = engine.generate_batch(prompt, 3, 20, temperature=1.0, seed=2, stop_tokens=())
     assert a == b and a != c
     assert len({tuple(r) for r in a}) == 3  # the samples differ from one another
+    streamed = [col for col, _ in engine.generate(prompt, 3, 20, temperature=1.0, seed=1, stop_tokens=(), chunk=3)]
+    assert [[col[r] for col in streamed] for r in range(3)] == a  # the draws depend on the seed, not on chunking
 
 
 def test_stop_tokens_end_each_sample(model, engine):
