@@ -8,6 +8,7 @@ every device of every process. Batches are sharded over the mesh's 'data' axis.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -149,6 +150,18 @@ def device_peak_flops(compute: "Compute") -> float:
             return peak
     # Devices of a fake multi-device CPU share the same cores: the peak is the machine's, split.
     return measured_matmul_peak(dtype=compute.compute_dtype) / max(1, jax.local_device_count())
+
+
+@contextlib.contextmanager
+def mesh_scope():
+    """A training stage sets its mesh with `jax.set_mesh` for its whole run; inside this scope that
+    mesh is undone on leaving, so whatever runs next in the process (the next stage of run_chat, an
+    export, a notebook cell) finds the mesh it had before."""
+    before = jax.sharding.get_mesh()
+    try:
+        yield
+    finally:
+        jax.set_mesh(None if before.empty else before)
 
 
 def local_streams(compute: "Compute") -> list[int]:

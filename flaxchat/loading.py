@@ -103,8 +103,8 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
         meta, cfg = _checked_meta(ckpt, paths)
         # Abstract parameters (shapes only): restoring fills them, so no time goes into a random
         # initialisation that is thrown away (~1 s per op-by-op init on a small CPU).
-        # No mesh in context: a training stage earlier in this process may have set one, and the
-        # abstract arrays would then carry an AbstractMesh that Orbax cannot restore onto.
+        # No mesh in context, whatever the caller has set (e.g. a notebook's jax.set_mesh): the
+        # abstract arrays would carry its AbstractMesh, which Orbax cannot restore onto.
         with jax.set_mesh(None):
             model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
             meta = ckpt.restore(model, step=paths.step)

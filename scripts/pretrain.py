@@ -43,6 +43,13 @@ def main(argv=None, defaults=None) -> int:
 
 
 def run(tc: TrainConfig) -> dict:
+    """Run pretraining; the mesh it sets is undone when it returns (run_chat runs the stages in one process)."""
+    from flaxchat.common import mesh_scope
+    with mesh_scope():
+        return _run(tc)
+
+
+def _run(tc: TrainConfig) -> dict:
     # Heavy imports here so that --help and bad flags answer at once.
     import jax
     import jax.numpy as jnp

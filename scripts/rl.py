@@ -81,6 +81,13 @@ def main(argv=None) -> int:
 
 
 def run(cfg: RLConfig) -> dict:
+    """Run RL; the mesh it sets is undone when it returns (run_chat runs the stages in one process)."""
+    from flaxchat.common import mesh_scope
+    with mesh_scope():
+        return _run(cfg)
+
+
+def _run(cfg: RLConfig) -> dict:
     import numpy as np
     from flax import nnx
 

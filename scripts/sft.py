@@ -79,6 +79,13 @@ def main(argv=None) -> int:
 
 
 def run(cfg: SFTConfig) -> dict:
+    """Run SFT; the mesh it sets is undone when it returns (run_chat runs the stages in one process)."""
+    from flaxchat.common import mesh_scope
+    with mesh_scope():
+        return _run(cfg)
+
+
+def _run(cfg: SFTConfig) -> dict:
     import jax.numpy as jnp
 
     import tasks

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -318,6 +319,7 @@ def test_pretrain_writes_its_run_folder_through_the_layer(memory_run, tmp_path, 
     monkeypatch.chdir(work)
     code, cap = _pretrain([*TINY, f"--run-dir={run}", "--steps=2"], capsys)
     assert code == 0, cap.err
+    assert jax.sharding.get_mesh().empty  # the run's mesh is undone: the next stage in this process starts clean
     names = sorted(p[len("/bucket/run/"):] for p in fs.find("/bucket/run"))
     assert names == ["COMPLETE", "config.json", "loss.png", "metrics.jsonl", "report.md", "samples.txt",
                      "tokenizer/tokenizer.json"], names

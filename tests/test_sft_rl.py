@@ -235,7 +235,7 @@ def test_roles_out_of_order_are_refused(tokenizer):
 
 @pytest.mark.timeout(60)
 def test_load_model_after_a_stage_set_a_mesh(base):
-    """scripts.run_chat runs the stages in one process: pretraining leaves its mesh set."""
+    """Loading under a mesh set in the process (jax.set_mesh, as the training stages do while they run)."""
     from flaxchat.common import compute_init
     mesh = compute_init("float32").with_sharding("dp").mesh
     try:

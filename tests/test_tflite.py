@@ -168,8 +168,8 @@ def test_prompts_that_do_not_fit_are_refused(lite):
 
 @needs_litert
 def test_conversion_works_after_a_training_stage_left_a_mesh_set(lite, tmp_path):
-    """SFT/RL set a global mesh (jax.set_mesh) for their whole process; an export later in that process
-    must still be a plain single-device program (it failed with "Dialect `sdy' not found")."""
+    """An export under a mesh set in the process (jax.set_mesh, as the training stages do while they
+    run) must still be a plain single-device program (it failed with "Dialect `sdy' not found")."""
     from flaxchat.export.stablehlo import export_forward
     from flaxchat.export.tflite import TFLiteModel, save_tflite
 

@@ -38,8 +38,8 @@ def export_forward(model, seq_len: int | None = None, platforms: tuple[str, ...]
     T = check_seq_len(model.config, seq_len)
     (b,) = jax.export.symbolic_shape("b")
     spec = jax.ShapeDtypeStruct((b, T), jnp.int32)
-    # A single-device program whatever mesh a training stage earlier in this process left set:
-    # under a mesh the module carries Shardy mesh ops that other tools (TFLite) cannot read.
+    # A single-device program whatever mesh the caller has set: under a mesh the module carries
+    # Shardy mesh ops that other tools (TFLite) cannot read.
     with jax.set_mesh(None):
         return jax.export.export(jax.jit(lambda tokens: model(tokens)), platforms=platforms)(spec)
 

@@ -92,7 +92,7 @@ def _stablehlo_texts(model, seq_len, prefill_len) -> dict[str, tuple[str, list[s
     import jax
 
     out = {}
-    with jax.set_mesh(None):  # no Shardy mesh ops from a mesh a training stage left set
+    with jax.set_mesh(None):  # no Shardy mesh ops from a mesh the caller has set
         for name, (fn, specs, ins, outs) in signatures(model, seq_len, prefill_len).items():
             exported = jax.export.export(jax.jit(fn), platforms=("cpu",))(*specs)
             out[name] = (exported.mlir_module(), ins, outs)
