@@ -165,21 +165,21 @@ def sample_token(logits: jax.Array, key: jax.Array, s: Sampling, step=None) -> j
     """logits (B,V) fp32 -> (B,) int32. `lax.cond` runs only the branch in use, so greedy draws no
     random numbers and only a large top-k or a top-p without top-k pays for a full sort. With
     `step`, the draw uses `fold_in(key, step)`, derived inside the sampling branch: a greedy decode
-    loop then never runs the PRNG (splitting the key every step cost a few percent of a step)."""
+    loop then never runs the PRNG (it used to split the key every step, whatever the sampling)."""
     V = logits.shape[-1]
     kf = min(TOP_K_FAST, V)
 
     def greedy(x):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
-    def few(x):  # 0 < top_k <= kf: choose among the top candidates only
+    def few(x, key):  # 0 < top_k <= kf: choose among the top candidates only
         vals, idx = jax.lax.top_k(x, kf)
         vals = jnp.where(jnp.arange(kf) < s.top_k, vals, -jnp.inf)
         vals = jax.lax.cond(s.top_p < 1, lambda v: _nucleus(v, s.top_p), lambda v: v, vals)
         pick = _inverse_cdf(key, vals)
         return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-    def full(x):  # no top-k, or a large one
+    def full(x, key):  # no top-k, or a large one
         def filtered(x):
             srt = jnp.sort(x, axis=-1)[:, ::-1]
             k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
@@ -191,10 +191,9 @@ def sample_token(logits: jax.Array, key: jax.Array, s: Sampling, step=None) -> j
         return _inverse_cdf(key, x)
 
     def stochastic(x):
-        nonlocal key
-        key = key if step is None else jax.random.fold_in(key, step)
+        draw_key = key if step is None else jax.random.fold_in(key, step)
         x = x / jnp.maximum(s.temperature, 1e-6)
-        return jax.lax.cond((s.top_k > 0) & (s.top_k <= kf), few, full, x)
+        return jax.lax.cond((s.top_k > 0) & (s.top_k <= kf), few, full, x, draw_key)
 
     return jax.lax.cond(s.temperature > 0, stochastic, greedy, logits)
 
