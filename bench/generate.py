@@ -121,14 +121,15 @@ def profile_step(engine, prompt, new: int) -> None:
     files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
     events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     text = next(fn.as_text() for key, fn in E._COMPILED.items() if key[1] == "advance")
+    loop_kernels = set(re.findall(r"%(\S+) = ", text))  # the decode loop's instructions, by name
     out_shape = dict(re.findall(r"%(dot[.\d]*) = (\S+?)\{", text))
     per_kind, kernels = collections.Counter(), collections.defaultdict(set)
     for e in events:
         name = e.get("name", "")
-        if e.get("ph") != "X" or f"%{name} = " not in text:  # the decode loop's kernels only
+        if e.get("ph") != "X" or name not in loop_kernels:
             continue
         kind = f"dot -> {out_shape.get(name, '?')}" if name.startswith("dot") else re.sub(r"\.\d+$", "", name)
-        per_kind[kind] += e["dur"] / (n - 1)
+        per_kind[kind] += e["dur"] / max(n - 1, 1)
         kernels[kind].add(name)
     total = sum(per_kind.values())
     if not total:
