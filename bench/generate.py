@@ -27,6 +27,7 @@ from flax import nnx
 from flaxchat import engine as E
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
+from flaxchat.errors import UserError
 from flaxchat.gpt import GPT, matmul_param_count
 
 CONFIG_A = GPTConfig(n_layer=4, n_embd=256, n_head=4, n_kv_head=4, vocab_size=4096, sequence_len=256)
@@ -261,6 +262,10 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also print where a decode step's time goes, kernel by kernel (XLA:CPU trace)")
     args = p.parse_args(argv)
+    if min(args.prompt_len, args.new_tokens, args.repeats, args.k) < 1:
+        raise UserError("--prompt-len, --new-tokens, --repeats and -k must be at least 1.")
+    if args.prompt_len >= CONFIG_A.sequence_len:
+        raise UserError(f"--prompt-len must be below config A's context of {CONFIG_A.sequence_len} tokens.")
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
     bench_engine(args)
@@ -271,4 +276,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from flaxchat.errors import cli_main
+    sys.exit(cli_main(main))
