@@ -120,7 +120,10 @@ def profile_step(engine, prompt, new: int) -> None:
     _, _, n = decode_run(engine, prompt, new, temperature=0.0, chunk=4096)
     jax.profiler.stop_trace()
     files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
-    events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    events = []
+    if files:
+        with gzip.open(files[0]) as f:
+            events = json.load(f)["traceEvents"]
     text = next(fn.as_text() for key, fn in E._COMPILED.items() if key[1] == "advance")
     loop_kernels = set(re.findall(r"%(\S+) = ", text))  # the decode loop's instructions, by name
     out_shape = dict(re.findall(r"%(dot[.\d]*) = (\S+?)\{", text))
