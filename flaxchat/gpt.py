@@ -221,9 +221,9 @@ def matmul_param_count(model: GPT) -> int:
     for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(str(p) for p in path)
         if name.endswith("kernel") and "smear_gate" not in name and "ve_gate" not in name:
-            total += leaf[...].size
+            total += leaf.get_value().size
     if model.lm_head is None:
-        total += model.wte.embedding[...].size
+        total += model.wte.embedding.get_value().size
     return total
 
 

@@ -148,6 +148,19 @@ def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None
         var.set_value(_put(var.get_value(), where))
 
 
+def create_sharded(make_model, make_optimizer, mesh: Mesh):
+    """(model, optimizer) from their constructors, every array placed on `mesh` by the rules.
+
+    `make_model()` builds the model, `make_optimizer(model)` its optimizer (or None for none).
+    The training stages create their state through this one function, so where the arrays are
+    born is decided here and nowhere else.
+    """
+    model = make_model()
+    optimizer = make_optimizer(model) if make_optimizer is not None else None
+    shard_model_and_optimizer(model, optimizer, mesh)
+    return model, optimizer
+
+
 def shard_abstract(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
     """The same placements on an abstract model/optimizer from `nnx.eval_shape`: each
     ShapeDtypeStruct gets its sharding, so `train_step.lower(...).compile()` sees the real layout

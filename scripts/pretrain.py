@@ -65,6 +65,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.data.sources import resolve_source
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.progress import Progress
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import bits_per_byte, eval_step, sample, train_step
@@ -117,13 +118,18 @@ def _run(tc: TrainConfig) -> dict:
         if dataclasses.replace(saved, grad_checkpoint=False) != dataclasses.replace(model_cfg, grad_checkpoint=False):
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
-    model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype)
-    if tc.init_from and meta is None:
-        from flaxchat.export import load_params_into
-        at = load_params_into(model, tc.init_from)
-        print0(f"initialised from {tc.init_from} (exported at step {at})")
-    n_params, n_matmul = param_count(model), matmul_param_count(model)
-    flops_per_token = estimate_flops(model)
+    def make_model():
+        model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype)
+        if tc.init_from and meta is None:
+            from flaxchat.export import load_params_into
+            at = load_params_into(model, tc.init_from)
+            print0(f"initialised from {tc.init_from} (exported at step {at})")
+        return model
+
+    # Sizes come from the abstract model (shapes only): the real one is created once, on the mesh.
+    abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype))
+    n_params, n_matmul = param_count(abstract), matmul_param_count(abstract)
+    flops_per_token = estimate_flops(abstract)
     print0(f"model: depth {model_cfg.n_layer}, width {model_cfg.n_embd}, {model_cfg.n_head} heads of "
            f"{model_cfg.head_dim}, windows {model_cfg.window_sizes()}, {n_params:,} parameters "
            f"({n_matmul:,} in matmuls), {flops_per_token / 1e6:.1f} MFLOP/token")
@@ -148,13 +154,13 @@ def _run(tc: TrainConfig) -> dict:
     ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
     opt_cfg = OptimConfig(tc.optimizer, tc.matrix_lr, tc.embedding_lr, tc.unembedding_lr, tc.scalar_lr,
                           tc.weight_decay, tc.adam_beta1, tc.adam_beta2, model_cfg.n_embd, tc.depth, ns_dtype)
-    optimizer = nnx.Optimizer(model, build_optimizer(opt_cfg, schedule), wrt=nnx.Param)
     layout = sharding.choose(tc.sharding, 4 * n_params, 2.0, sharding.device_memory_bytes())
     compute = compute.with_sharding(layout)
     jax.set_mesh(compute.mesh)  # logical activation constraints inside the model resolve on this mesh
     # Always place the state, even on one device: arrays left uncommitted would come back from the
     # first step committed to the mesh, and the changed input types would compile the step twice.
-    sharding.shard_model_and_optimizer(model, optimizer, compute.mesh)
+    model, optimizer = sharding.create_sharded(
+        make_model, lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule), wrt=nnx.Param), compute.mesh)
     per_device = sharding.bytes_per_device(nnx.state(model, nnx.Param))
     print0(f"sharding: {layout} over {compute.device_count} device(s); parameters per device "
            f"{max(per_device.values()) / 2**20:.1f} MiB of {4 * n_params / 2**20:.1f} MiB")
@@ -217,6 +223,8 @@ def _run(tc: TrainConfig) -> dict:
                   steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
 
     # --- training loop ----------------------------------------------------------------------------
+    progress = Progress("pretrain", steps=steps, process=compute.process_index)
+    progress.update(step, force=True)
     peak = device_peak_flops(compute) * compute.device_count
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
     last_bpb = None
@@ -225,6 +233,9 @@ def _run(tc: TrainConfig) -> dict:
         t0 = time.time()
         loss = train_step(model, optimizer, x, y)
         step += 1
+        if progress.due():
+            loss.block_until_ready()  # progress means a finished step, not a dispatched one
+            progress.update(step)
         if compile_s is None:
             loss.block_until_ready()
             compile_s = time.time() - t0
@@ -260,6 +271,7 @@ def _run(tc: TrainConfig) -> dict:
             t_window = time.time()  # evaluation, sampling and saving are not training time
     checkpointer.close()
     batches.close()
+    progress.update(step, force=True)
     train_seconds = time.time() - t_loop
 
     # --- samples, report, completion marker -------------------------------------------------------

@@ -1,0 +1,70 @@
+"""The progress file: how a running stage tells a supervisor that it is alive, on every process.
+
+A supervisor (the pod worker `flaxchat/cloud/worker.py`, the Kaggle job wrapper) sets
+`FLAXCHAT_PROGRESS_FILE` to a local path before it starts a stage; every process of the stage then
+rewrites that file, atomically, after each optimizer step:
+
+    {"schema": 1, "step": 120, "steps": 1000, "time": 1764579000.5, "pid": 4242, "process": 3,
+     "loss": 3.21, "tok_s": 12345.0, "stage": "pretrain"}
+
+`time` is the wall clock of the last step, so "how long since this process made progress" is
+`now - time`: the liveness a supervisor needs. Only process 0 prints, so output is no heartbeat on
+a pod; this file is, and it is never parsed out of a human-readable line. Without the variable the
+stage writes nothing (a laptop run has no supervisor). Writes are throttled to one a second: a
+step of a few milliseconds must not spend its time in the filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+ENV = "FLAXCHAT_PROGRESS_FILE"
+SCHEMA = 1
+
+
+class Progress:
+    """Writes the progress file named by $FLAXCHAT_PROGRESS_FILE (a no-op when it is unset)."""
+
+    def __init__(self, stage: str, steps: int | None = None, process: int = 0, path: str | None = None,
+                 min_interval_s: float = 1.0, clock=time.time):
+        self.path = path if path is not None else os.environ.get(ENV, "")
+        self.stage, self.steps, self.process = stage, steps, process
+        self.min_interval_s, self.clock = min_interval_s, clock
+        self._last_write = None
+
+    def due(self) -> bool:
+        """True when the next `update` would write (the caller may first wait for the step to finish,
+        so that a device stuck in a collective shows as no progress rather than dispatched work)."""
+        return bool(self.path) and (self._last_write is None or self.clock() - self._last_write >= self.min_interval_s)
+
+    def update(self, step: int, force: bool = False, **fields) -> None:
+        """Record that `step` is done (now). `fields` may add loss, tok_s, ... (numbers or None)."""
+        if not self.path:
+            return
+        now = self.clock()
+        if not force and self._last_write is not None and now - self._last_write < self.min_interval_s:
+            return
+        record = dict(schema=SCHEMA, stage=self.stage, step=int(step), steps=self.steps, time=now,
+                      pid=os.getpid(), process=self.process)
+        record.update({k: v for k, v in fields.items() if v is None or isinstance(v, (int, float, str))})
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, self.path)
+            self._last_write = now
+        except OSError:
+            pass  # liveness is advisory: a full disk must not end a training run
+
+
+def read(path: str) -> dict | None:
+    """The last record in a progress file, or None if there is none (yet) or it is not ours."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("schema") == SCHEMA else None

@@ -1,0 +1,43 @@
+"""flaxchat.progress: the liveness file every process of a stage writes for its supervisor."""
+
+import json
+
+from flaxchat.progress import ENV, Progress, read
+
+
+def test_writes_step_and_time_atomically_and_throttled(tmp_path):
+    now = [100.0]
+    path = tmp_path / "p" / "progress.json"
+    p = Progress("pretrain", steps=10, process=3, path=str(path), clock=lambda: now[0])
+    p.update(1, loss=3.5)
+    rec = read(str(path))
+    assert rec["step"] == 1 and rec["time"] == 100.0 and rec["process"] == 3 and rec["loss"] == 3.5
+    now[0] = 100.5
+    assert not p.due()
+    p.update(2)  # throttled: within a second of the last write
+    assert read(str(path))["step"] == 1
+    p.update(2, force=True)
+    assert read(str(path))["step"] == 2
+    now[0] = 102.0
+    assert p.due()
+    p.update(3)
+    assert read(str(path)) == json.loads(path.read_text()) and read(str(path))["step"] == 3
+    assert [f.name for f in path.parent.iterdir()] == ["progress.json"]  # no temp file left
+
+
+def test_without_the_variable_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    p = Progress("sft")
+    assert not p.due()
+    p.update(5, force=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_rejects_foreign_or_half_files(tmp_path):
+    f = tmp_path / "x.json"
+    assert read(str(f)) is None
+    f.write_text("{not json")
+    assert read(str(f)) is None
+    f.write_text('{"step": 1}')
+    assert read(str(f)) is None  # no schema: not ours
