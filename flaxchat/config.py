@@ -18,6 +18,7 @@ from flaxchat.errors import UserError
 
 ASPECT_RATIO = 64  # n_embd = depth * 64 (nanochat)
 VOCAB_MULTIPLE = 64  # pad the embedding/LM head rows so matmuls tile well; logits are cropped
+ATTENTION_KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")  # flaxchat.ops.KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,9 @@ class GPTConfig:
     value_embeds: bool = True
     grad_checkpoint: bool = False  # rematerialise each block in the backward pass (saves memory)
     attn_block: int = 128  # query/key block of the blockwise attention (the unit of skipped work)
+    # Attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla,
+    # splash or cudnn (flaxchat.ops). It changes how, never what, the model computes.
+    attention: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -54,6 +58,8 @@ class GPTConfig:
             bad(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head}), which grouped-query attention needs.")
         if self.head_dim % 2:
             bad(f"head_dim ({self.head_dim}) must be even for rotary embeddings.")
+        if self.attention not in ATTENTION_KERNELS:
+            bad(f"--attention must be one of {', '.join(ATTENTION_KERNELS)} (got {self.attention!r}).")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
             bad(f"window pattern {self.window_pattern!r} may only contain the letters S (short) and L (long), e.g. 'SSSL'.")
 

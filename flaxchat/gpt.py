@@ -14,6 +14,7 @@ checkpoints and exports use.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -91,11 +92,11 @@ class Attention(nnx.Module):
         k = ops.rms_norm(k) * QK_SCALE
         return q, k, v
 
-    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int, attend=None):
+    def __call__(self, x, idx, positions, window: int, rope_base: float, kernel: ops.Kernel, attend=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, idx, positions, rope_base)
         if attend is None:
-            y = ops.causal_attention(q, k, v, window=window, block=block)
+            y = ops.attention(q, k, v, window, kernel)
         else:
             y = attend(q, k, v, window)
         return self.c_proj(y.reshape(B, T, -1))
@@ -117,8 +118,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, idx, positions, window: int, rope_base: float, block: int, attend=None):
-        x = x + self.attn(ops.rms_norm(x), idx, positions, window, rope_base, block, attend)
+    def __call__(self, x, idx, positions, window: int, rope_base: float, kernel: ops.Kernel, attend=None):
+        x = x + self.attn(ops.rms_norm(x), idx, positions, window, rope_base, kernel, attend)
         return x + self.mlp(ops.rms_norm(x))
 
 
@@ -183,14 +184,15 @@ class GPT(nnx.Module):
         backout_layer = cfg.n_layer // 2
         x_backout = None
         windows = cfg.window_sizes()
+        kernel = ops.resolve_attention(cfg.attention, cfg.attn_block)  # the one per-backend choice
         for i, block in enumerate(self.blocks):
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
             if attend is not None:
                 layer_attend = lambda q, k, v, w, i=i: attend(i, q, k, v, w)
-                x = block(x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block, layer_attend)
+                x = block(x, idx, positions, windows[i], cfg.rope_base, kernel, layer_attend)
             else:
                 call = _remat_block if cfg.grad_checkpoint else _call_block
-                x = call(block, x, idx, positions, windows[i], cfg.rope_base, cfg.attn_block)
+                x = call(block, x, idx, positions, windows[i], cfg.rope_base, kernel)
             x = constrain(x, ("batch", None, None))
             if i == backout_layer:
                 x_backout = x
@@ -199,11 +201,48 @@ class GPT(nnx.Module):
         return self.head(x)
 
 
-def _call_block(block, x, idx, positions, window, rope_base, attn_block):
-    return block(x, idx, positions, window, rope_base, attn_block)
+def _call_block(block, x, idx, positions, window, rope_base, kernel):
+    return block(x, idx, positions, window, rope_base, kernel)
 
 
-_remat_block = nnx.remat(_call_block, static_argnums=(4, 5, 6))
+_nnx_remat_block = nnx.remat(_call_block, static_argnums=(4, 5, 6))
+
+
+def _remat_block(block, x, idx, positions, window, rope_base, kernel):
+    """A block whose activations are recomputed in the backward pass (--grad-checkpoint).
+
+    On TPU/GPU this is `nnx.remat`. On CPU it is not enough: XLA:CPU strips the optimization
+    barriers remat relies on, so its scheduler ran each block's recomputation during the forward
+    and the peak did not drop (it rose). Here the recomputation takes a (numerically void) input
+    from the block's output cotangent, so it cannot run before the backward pass reaches the block.
+    """
+    if not ops._on_cpu():
+        return _nnx_remat_block(block, x, idx, positions, window, rope_base, kernel)
+    graphdef, state = nnx.split(block)
+    return _cpu_remat(graphdef, window, rope_base, kernel, state, x, idx, positions)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _cpu_remat(graphdef, window, rope_base, kernel, state, x, idx, positions):
+    return nnx.merge(graphdef, state)(x, idx, positions, window, rope_base, kernel)
+
+
+def _cpu_remat_fwd(graphdef, window, rope_base, kernel, state, x, idx, positions):
+    return _cpu_remat(graphdef, window, rope_base, kernel, state, x, idx, positions), (state, x, idx, positions)
+
+
+def _cpu_remat_bwd(graphdef, window, rope_base, kernel, res, ct):
+    state, x, idx, positions = res
+    # x + 0·ct[0]: XLA keeps a float multiply by zero (it is not an identity for inf/NaN), so this
+    # is a true data dependency on the cotangent, the one ordering XLA:CPU's scheduler respects.
+    x = x + (ct.reshape(-1)[0] * 0).astype(x.dtype)
+    f = lambda state, x: nnx.merge(graphdef, state)(x, idx, positions, window, rope_base, kernel)
+    _, vjp = jax.vjp(f, state, x)
+    d_state, dx = vjp(ct)
+    return d_state, dx, None, None
+
+
+_cpu_remat.defvjp(_cpu_remat_fwd, _cpu_remat_bwd)
 
 
 def param_count(model: GPT) -> int:

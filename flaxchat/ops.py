@@ -1,27 +1,50 @@
-"""The two hot kernels of the model, written so XLA's CPU backend takes its fast matmul paths.
+"""The model's two hot kernels, chosen per backend in this one module.
 
-* `matmul(x, w)`: a linear layer whose backward computes dW as `barrier(xᵀ) @ g`. XLA on CPU lowers
-  the token-contracting dot `xᵀ·g` to a slow generic dot; an explicit transpose followed by a plain
-  NN matmul goes to the fast library (measured 57% -> 66% MFU on an 8L/512d GPT, field notes).
-* `causal_attention(q, k, v, window)`: attention computed per block of queries over only the key
-  blocks it can see, so a sliding window or the causal triangle skips work instead of masking it
-  (a dense TxT mask saves nothing: every masked score is still computed).
-Both are exact: they compute the same numbers as the textbook forms, up to float summation order.
+* `matmul(x, w)`: a linear layer. On CPU its backward computes dW as `barrier(xᵀ) @ g`: XLA:CPU
+  lowers the token-contracting dot `xᵀ·g` to a slow generic dot, and an explicit transpose followed
+  by a plain NN matmul goes to the fast library (57% -> 66% MFU on an 8L/512d GPT). On TPU and GPU
+  it is a plain `jnp.matmul`: the barrier would only stop their compilers from fusing.
+* `attention(q, k, v, window, kernel)`: causal, optionally sliding-window, grouped-query attention
+  through one of `KERNELS`; `resolve_attention("auto")` picks Pallas splash attention on TPU,
+  cuDNN flash attention on GPU and the blockwise kernel below on CPU.
+* `causal_attention(q, k, v, window)`, the blockwise kernel: per block of queries over only the key
+  blocks it can see, so the causal triangle and a sliding window skip work instead of masking it.
+  Flash-style memory: the forward keeps one log-sum-exp per query row (O(T)), the backward
+  recomputes each block's probabilities from it; nothing of size T×T outlives a block.
+All compute the same numbers as `reference_attention`, up to float summation order.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from flaxchat.config import ATTENTION_KERNELS as KERNELS  # auto, blockwise, xla, splash, cudnn
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _cpu_barrier(x):
+    """An explicit layout change XLA:CPU may not fold into the next dot (folded transposes make it
+    pick a slow generic dot); elsewhere the compiler is left free to fuse."""
+    return jax.lax.optimization_barrier(x) if _on_cpu() else x
+
+
 # --- linear -------------------------------------------------------------------------------------
 
 
-@jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x (..., in) @ w (in, out)."""
+    """x (..., in) @ w (in, out); the CPU-tuned backward only on CPU."""
+    return _matmul_cpu(x, w) if _on_cpu() else jnp.matmul(x, w)
+
+
+@jax.custom_vjp
+def _matmul_cpu(x, w):
     return jnp.matmul(x, w)
 
 
@@ -40,89 +63,237 @@ def _matmul_bwd(res, g):
     return dx, dw
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul_cpu.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-# --- attention ----------------------------------------------------------------------------------
+# --- kernel choice ------------------------------------------------------------------------------
 
 
-def _key_range(q_start: int, q_end: int, window: int, block: int) -> tuple[int, int]:
-    """Keys [start, end) that queries [q_start, q_end) can see, start aligned to a key block."""
-    lo = max(0, q_start - window + 1)
-    return (lo // block) * block, q_end
+class Kernel(NamedTuple):
+    """A resolved attention kernel (hashable: it is a static argument of the jitted step)."""
+    name: str  # blockwise, xla, splash or cudnn
+    block: int = 128  # the blockwise kernel's query/key block; splash's block size
 
 
-def _blocks(T: int, window: int, block: int):
-    """Static (q_start, q_end, k_start, k_end) of every query block and the keys it can see."""
-    block = min(block, T)
-    out = []
-    for qs in range(0, T, block):
-        qe = min(T, qs + block)
-        ks, ke = _key_range(qs, qe, window, block)
-        out.append((qs, qe, ks, ke))
-    return out
+_announced: set = set()
 
 
-def _mask(qs, qe, ks, ke, window):
-    qpos = jnp.arange(qs, qe)[:, None]
-    kpos = jnp.arange(ks, ke)[None, :]
-    return (kpos <= qpos) & (kpos > qpos - window)
+def resolve_attention(name: str = "auto", block: int = 128, backend: str | None = None) -> Kernel:
+    """The kernel `name` means on this backend: `auto` is splash on TPU, cudnn on GPU, blockwise on
+    CPU (printed once per process, so a log says what ran)."""
+    if name not in KERNELS:
+        from flaxchat.errors import UserError
+        raise UserError(f"--attention must be one of {', '.join(KERNELS)} (got {name!r}).")
+    backend = backend or jax.default_backend()
+    chosen = name
+    if name == "auto":
+        chosen = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "xla"}.get(backend, "blockwise")
+        if (backend, chosen) not in _announced and jax.process_index() == 0:
+            print(f"attention: {chosen} (auto on {backend})", flush=True)
+        _announced.add((backend, chosen))
+    return Kernel(chosen, block)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, kernel: Kernel = Kernel("blockwise")) -> jax.Array:
+    """Causal attention over keys max(0, t-window+1) .. t. q (B,T,H,D); k, v (B,T,Hkv,D) -> (B,T,H,D)."""
+    if kernel.name == "blockwise":
+        return causal_attention(q, k, v, window, kernel.block)
+    if kernel.name == "xla":
+        return xla_attention(q, k, v, window)
+    if kernel.name == "cudnn":
+        return cudnn_attention(q, k, v, window)
+    if kernel.name == "splash":
+        return splash_attention(q, k, v, window, block=max(128, kernel.block))
+    raise ValueError(f"unresolved attention kernel {kernel.name!r}; pass it through resolve_attention")
+
+
+def _local_window(window: int, T: int):
+    return None if window >= T else (window - 1, 0)  # (keys to the left, keys to the right)
+
+
+def xla_attention(q, k, v, window: int) -> jax.Array:
+    """`jax.nn.dot_product_attention` as XLA lowers it (dense T×T scores: O(T²) memory)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=_local_window(window, q.shape[1]),
+                                        implementation="xla")
+
+
+def cudnn_attention(q, k, v, window: int) -> jax.Array:
+    """cuDNN's fused flash attention with its local window; XLA's form where cuDNN does not take
+    the call (no GPU, fp32 inputs, a head size it lacks), said once."""
+    try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=_local_window(window, q.shape[1]),
+                                            implementation="cudnn")
+    except Exception as e:  # cuDNN refuses at trace time, with a reason
+        key = ("cudnn-fallback", type(e).__name__)
+        if key not in _announced and jax.process_index() == 0:
+            print(f"attention: cudnn unavailable here ({type(e).__name__}: {str(e).splitlines()[0][:120]}); using xla",
+                  flush=True)
+        _announced.add(key)
+        return xla_attention(q, k, v, window)
+
+
+# --- splash (TPU; Pallas interpret mode elsewhere) -----------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(T: int, G: int, window: int, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    mask = sa.CausalMask((T, T)) if window >= T else sa.LocalMask((T, T), (window - 1, 0), 0)
+    b = min(block, T)
+    sizes = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    # One kv head serves its G query heads (MQA per kv head); vmapped over batch and kv heads.
+    # Built as concrete arrays (the mask tables), so the cached kernel never holds a tracer.
+    with jax.ensure_compile_time_eval():
+        return sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * G), block_sizes=sizes, interpret=interpret)
+
+
+def splash_attention(q, k, v, window: int, block: int = 128, interpret: bool | None = None) -> jax.Array:
+    """Pallas splash attention (TPU): causal or local mask, blocks outside it skipped, GQA.
+
+    Under a mesh the kernel runs per device through shard_map (rows split as the rules split the
+    batch); a Pallas call is not partitioned by the compiler. Off TPU it runs in Pallas interpret
+    mode (slow; for tests). The sequence must be a multiple of 128 (the TPU lane width).
+    """
+    from flaxchat.sharding import BATCH, MESH_AXES
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    kern = _splash_kernel(T, G, min(window, T), block, interpret)
+
+    def local(q, k, v):
+        b, t = q.shape[:2]
+        qt = jnp.transpose(q.reshape(b, t, Hkv, G, D), (0, 2, 3, 1, 4)) * jnp.asarray(D ** -0.5, q.dtype)
+        kt, vt = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
+        out = jax.vmap(jax.vmap(kern))(qt, kt, vt)  # (b, Hkv, G, t, D)
+        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, H, D)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or tuple(mesh.axis_names) != MESH_AXES:
+        return local(q, k, v)
+    from jax.sharding import PartitionSpec as P
+    spec = P(BATCH, None, None, None)
+    return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+
+
+# --- blockwise (CPU) ----------------------------------------------------------------------------
+#
+# Flash attention written for XLA:CPU: a loop over query blocks, and inside it a loop over only the
+# key blocks that block can see (causal triangle, sliding window), with an online softmax. Real
+# loops, not an unrolled Python loop: XLA:CPU schedules unrolled blocks side by side (every
+# block's T-wide scores alive at once, an O(T²) peak with nothing T×T saved) and removes the
+# optimization barriers that would order them. Per layer the forward keeps out and one
+# log-sum-exp per query row; the backward recomputes each tile's probabilities from it.
 
 
 def _t(x, perm):
-    # An explicit transpose the compiler may not fold into the next dot (field notes: folded
-    # transposes make XLA:CPU pick a slow generic dot).
-    return jax.lax.optimization_barrier(jnp.transpose(x, perm))
+    return _cpu_barrier(jnp.transpose(x, perm))
 
 
-def _attn_fwd_blocks(q, k, v, window, block):
-    """q (B,Hkv,G,T,D), k/v (B,Hkv,T,D) -> out (B,Hkv,G,T,D), probabilities per block (fp32)."""
-    D = q.shape[-1]
+def _first_key_block(qs, window: int, block: int):
+    return jnp.maximum(0, qs - window + 1) // block
+
+
+def _tile(q_rows, qs, k, v, ks, window, block, scale):
+    """Masked fp32 scores of one query block (B,Hkv,G·n,D) against keys [ks, ks+block)."""
+    kj = jax.lax.dynamic_slice_in_dim(k, ks, block, axis=2)
+    vj = jax.lax.dynamic_slice_in_dim(v, ks, block, axis=2)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q_rows, kj, preferred_element_type=jnp.float32) * scale
+    G = q_rows.shape[2] // block
+    qpos = qs + jnp.tile(jnp.arange(block), G)[:, None]  # rows are (g, query) g-major
+    kpos = ks + jnp.arange(block)[None, :]
+    return jnp.where((kpos <= qpos) & (kpos > qpos - window), s, -jnp.inf), kj, vj
+
+
+def _rows(x, qs, block):
+    """Query block [qs, qs+block) of x (B,Hkv,G,T,...) as (B,Hkv,G·block,...)."""
+    xi = jax.lax.dynamic_slice_in_dim(x, qs, block, axis=3)
+    return xi.reshape(xi.shape[:2] + (-1,) + xi.shape[4:])
+
+
+def _put_rows(x, rows, qs, block):
+    B, Hkv, G = x.shape[:3]
+    rows = rows.reshape((B, Hkv, G, block) + x.shape[4:]).astype(x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(x, rows, qs, axis=3)
+
+
+def _attn_fwd(q, k, v, window, block):
+    """q (B,Hkv,G,T,D), k/v (B,Hkv,T,D), T a multiple of block -> out, lse (B,Hkv,G,T) fp32."""
+    B, Hkv, G, T, D = q.shape
     scale = D ** -0.5
-    outs, probs = [], []
-    for qs, qe, ks, ke in _blocks(q.shape[3], window, block):
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, qs:qe], k[:, :, ks:ke],
-                       preferred_element_type=jnp.float32) * scale
-        s = jnp.where(_mask(qs, qe, ks, ke, window), s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v[:, :, ks:ke]))
-        probs.append(p)
-    return jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0], probs
+
+    def q_step(i, carry):
+        out, lse = carry
+        qs = i * block
+        qi = _rows(q, qs, block)
+
+        def k_step(j, acc):
+            m, l, o = acc
+            s, _, vj = _tile(qi, qs, k, v, j * block, window, block, scale)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
+            p = jnp.exp(s - m_safe[..., None])
+            corr = jnp.exp(m - m_safe)
+            o = o * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vj,
+                                                 preferred_element_type=jnp.float32)
+            return m_new, l * corr + jnp.sum(p, axis=-1), o
+
+        rows = (B, Hkv, G * block)
+        init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(rows + (D,), jnp.float32))
+        m, l, o = jax.lax.fori_loop(_first_key_block(qs, window, block), i + 1, k_step, init)
+        return _put_rows(out, o / l[..., None], qs, block), _put_rows(lse, m + jnp.log(l), qs, block)
+
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:4], jnp.float32))
+    return jax.lax.fori_loop(0, T // block, q_step, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _attention(q, k, v, window, block):
-    return _attn_fwd_blocks(q, k, v, window, block)[0]
+    return _attn_fwd(q, k, v, window, block)[0]
 
 
 def _attention_fwd(q, k, v, window, block):
-    out, probs = _attn_fwd_blocks(q, k, v, window, block)
-    return out, (q, k, v, probs)
+    out, lse = _attn_fwd(q, k, v, window, block)
+    return out, (q, k, v, out, lse)  # O(T) residuals: no probabilities are kept
 
 
 def _attention_bwd(window, block, res, dout):
-    """Softmax backward from the saved probabilities; every dot is NN or NT (no TN dots)."""
-    q, k, v, probs = res
+    """Each tile's probabilities recomputed from the saved log-sum-exp; the softmax backward
+    through delta = rowsum(dO * O). Every dot is NN or NT (on CPU the TN ones of dK and dV go
+    through explicit transposes)."""
+    q, k, v, out, lse = res
     B, Hkv, G, T, D = q.shape
     scale = D ** -0.5
-    dq_blocks = []
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
-    for (qs, qe, ks, ke), p in zip(_blocks(T, window, block), probs):
-        n, kr = qe - qs, ke - ks
-        do = dout[:, :, :, qs:qe]
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, v[:, :, ks:ke], preferred_element_type=jnp.float32)
-        ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale
-        dq_blocks.append(jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(q.dtype), k[:, :, ks:ke]))
-        # dK = dSᵀ·Q and dV = Pᵀ·dO contract over (g, q): transpose explicitly, then NN dots.
-        dsT = _t(ds, (0, 1, 4, 2, 3)).reshape(B, Hkv, kr, G * n).astype(q.dtype)
-        pT = _t(p, (0, 1, 4, 2, 3)).reshape(B, Hkv, kr, G * n).astype(v.dtype)
-        qb = q[:, :, :, qs:qe].reshape(B, Hkv, G * n, D)
-        dob = do.reshape(B, Hkv, G * n, D)
-        dk = dk.at[:, :, ks:ke].add(jnp.matmul(dsT, qb, preferred_element_type=jnp.float32))
-        dv = dv.at[:, :, ks:ke].add(jnp.matmul(pT, dob, preferred_element_type=jnp.float32))
-    dq = jnp.concatenate(dq_blocks, axis=3) if len(dq_blocks) > 1 else dq_blocks[0]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B,Hkv,G,T)
+
+    def q_step(i, carry):
+        dq, dk, dv = carry
+        qs = i * block
+        qi, doi = _rows(q, qs, block), _rows(dout, qs, block)
+        lse_i, delta_i = _rows(lse, qs, block)[..., None], _rows(delta, qs, block)[..., None]
+
+        def k_step(j, acc):
+            dqi, dk, dv = acc
+            ks = j * block
+            s, kj, vj = _tile(qi, qs, k, v, ks, window, block, scale)
+            p = jnp.exp(s - lse_i)
+            dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i) * scale
+            dqi = dqi + jnp.einsum("bhqk,bhkd->bhqd", ds.astype(q.dtype), kj, preferred_element_type=jnp.float32)
+            dkj = jnp.matmul(_t(ds.astype(q.dtype), (0, 1, 3, 2)), qi, preferred_element_type=jnp.float32)
+            dvj = jnp.matmul(_t(p.astype(v.dtype), (0, 1, 3, 2)), doi, preferred_element_type=jnp.float32)
+            add = lambda x, d: jax.lax.dynamic_update_slice_in_dim(
+                x, jax.lax.dynamic_slice_in_dim(x, ks, block, axis=2) + d, ks, axis=2)
+            return dqi, add(dk, dkj), add(dv, dvj)
+
+        init = (jnp.zeros(qi.shape, jnp.float32), dk, dv)
+        dqi, dk, dv = jax.lax.fori_loop(_first_key_block(qs, window, block), i + 1, k_step, init)
+        return _put_rows(dq, dqi, qs, block), dk, dv
+
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq, dk, dv = jax.lax.fori_loop(0, T // block, q_step, init)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -139,10 +310,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, bloc
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
+    block = min(block, T)
+    pad = -T % block  # padded keys come after every real query, so causality hides them
     qt = jnp.transpose(q.reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4))  # (B, Hkv, G, T, D)
     kt = jnp.transpose(k, (0, 2, 1, 3))  # (B, Hkv, T, D)
     vt = jnp.transpose(v, (0, 2, 1, 3))
-    out = _attention(qt, kt, vt, window, block)
+    if pad:
+        qt = jnp.pad(qt, [(0, 0)] * 3 + [(0, pad), (0, 0)])
+        kt, vt = (jnp.pad(x, [(0, 0)] * 2 + [(0, pad), (0, 0)]) for x in (kt, vt))
+    out = _attention(qt, kt, vt, window, block)[:, :, :, :T]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, H, D)
 
 
