@@ -1,8 +1,10 @@
+# READ FIRST: engineers are working in this tree at the same time. The lead's rules (which files are yours, git discipline: path-limited commits only, never git add -A/stash/checkout/reset/clean; CPU limits; the 10:45 UTC deadline; what to report) are in /work/main/WORKING-NOW.md. The lead removes this line.
 """KaggleRunner against a real peer: jupyter_server + ipykernel on 127.0.0.1.
 
-Two servers per module: A has a token and a python3 kernelspec in a throwaway venv (so `pip
-install` on the kernel never touches this environment); B has an empty token, XSRF checks off, no
-kernel restarts, and an authorizer that can forbid starting kernels.
+Two servers per module: A serves under a Kaggle-shaped base URL, has a token and a python3
+kernelspec in a throwaway venv (so `pip install` on the kernel never touches this environment);
+B has an empty token, XSRF checks off, no kernel restarts, and an authorizer that can forbid
+starting kernels. test_kaggle_shared.py has the tests with the notebook's tab attached.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from jupyter_server.services.kernels.connection.base import (deserialize_msg_fro
 from flaxchat.errors import UserError, cli_main
 from flaxchat.remote import KaggleRunner, RemoteConnectionError, RemoteError, RemoteTimeout
 from flaxchat.remote.__main__ import main as cli
+from flaxchat.remote.cells import execute
 from flaxchat.remote.jupyter import V1_PROTOCOL, decode_v1, encode_v1, new_message, parse_server_url
-from flaxchat.remote.kaggle import build_archive, pipeline_argv, repo_files
+from flaxchat.remote.kaggle import build_archive, pipeline_argv
+from flaxchat.uploads import repo_files
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jupyter_fixture import JupyterServer, make_kernel_venv  # noqa: E402
+from jupyter_fixture import KAGGLE_BASE, JupyterServer, make_kernel_venv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-4f1c"
@@ -55,7 +59,8 @@ def venv(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, venv):
-    srv = JupyterServer(tmp_path_factory.mktemp("jupyter-a"), token=TOKEN, kernel_python=venv[0]).start()
+    srv = JupyterServer(tmp_path_factory.mktemp("jupyter-a"), token=TOKEN, kernel_python=venv[0],
+                        base_url=KAGGLE_BASE).start()
     yield srv
     assert srv.stop() == [], "kernels survived the server's SIGTERM"
 
@@ -181,7 +186,8 @@ def test_stop_interrupts_the_running_cell(runner):
     runner.stop()
     worker.join(30)
     assert not worker.is_alive() and box["res"].error_name == "KeyboardInterrupt" and not box["res"].ok
-    assert runner.status().state == "idle"
+    st = runner.status()  # the current work is that run: stopped, so failed
+    assert st.state == "failed" and "KeyboardInterrupt" in st.detail
 
 
 def _cut_socket_on_first_output(r: KaggleRunner, marker: str):
@@ -232,14 +238,22 @@ def test_dropped_connection_reattaches_without_rerunning(server, tmp_path, gaps,
 
 
 @pytest.mark.timeout(90)
-def test_dropped_connection_with_another_client_reports_lost_output(runner, server, tmp_path):
+def test_dropped_connection_with_another_client_recovers_or_says_lost(runner, server, tmp_path):
     # Another client (a browser tab) is connected, so the server buffers nothing for us: output that
-    # came while we were away is gone. The runner must say so, not report success, and not rerun.
+    # came while we were away is gone from the messages. The runner rebuilds the result from the
+    # files the cell helper wrote on the server; without them (plain execute) it must say the
+    # output is lost, never report success, and never rerun the cell.
     side = tmp_path / "effects.txt"
     runner.run("pass", on_output=quiet)  # now connected: the other client
     with KaggleRunner(server.url, TOKEN, kernel_id=runner.kernel_id) as r:
         r.run("pass", on_output=quiet)
         res = r.run(_effects_cell(side, 0.1, 0.0), on_output=_cut_socket_on_first_output(r, "line 0"), timeout=60)
+        assert r.connection.connects == 2
+        assert res.ok and res.stdout == "".join(f"line {i}\n" for i in range(8)) and res.result == "'result'", res
+        assert side.read_text() == "start\nend\n"
+        side.unlink()
+        res = execute(r.connection, r.rest, _effects_cell(side, 0.1, 0.0),
+                      on_output=_cut_socket_on_first_output(r, "line 0"), timeout=60)
     assert not res.ok and res.error_name == "OutputLost" and "outcome is unknown" in res.error_value
     assert side.read_text() == "start\nend\n"
 
@@ -352,7 +366,7 @@ def test_cli(server, tmp_path, capsys):
     assert cli_main(cli, [server.url, "--token", TOKEN, "--run", "def f(:"]) == 1
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: the remote code failed (SyntaxError: ")
     assert cli_main(cli, [server.url, "--token", TOKEN, "--status"]) == 0
-    assert capsys.readouterr().out.startswith("idle: kernel ")
+    assert capsys.readouterr().out.startswith("idle: nothing started; kernel ")
     assert cli_main(cli, [server.url, "--token", TOKEN, "--file", str(tmp_path / "missing.py")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
@@ -380,14 +394,23 @@ sys.exit(a.exit)
 '''
 
 
-@pytest.fixture(scope="module")
-def repo_copy(tmp_path_factory):
-    """A snapshot of this repo's files: others edit the working tree while the tests run."""
-    dest = tmp_path_factory.mktemp("repo")
+def snapshot_repo(dest: Path) -> Path:
+    """A git repository of this repo's tracked files (others edit the working tree while the tests
+    run), with an untracked `.env` and `kaggle.json` next to them, as a user's folder has."""
     for name in repo_files(REPO):
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         (dest / name).write_bytes((REPO / name).read_bytes())
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "-C", str(dest)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        subprocess.run(git + args, check=True, timeout=60, capture_output=True)
+    (dest / ".env").write_text("HF_TOKEN=hf_not_for_upload\n")
+    (dest / "kaggle.json").write_text('{"username": "u", "key": "not-for-upload"}\n')
     return dest
+
+
+@pytest.fixture(scope="module")
+def repo_copy(tmp_path_factory):
+    return snapshot_repo(tmp_path_factory.mktemp("repo"))
 
 
 @pytest.fixture(scope="module")
@@ -434,8 +457,8 @@ def test_pipeline_runs_detached_and_reports_exit_code(runner, installed, tmp_pat
     assert res.ok and res.state == "done" and res.exit_codes == {0: 0}
     assert "step 2 loss 0.333" in res.stdout and "".join(lines) == res.stdout
     files = runner.download(None, tmp_path / "dl")
-    assert sorted(Path(f).relative_to(tmp_path / "dl").as_posix() for f in files) == \
-        ["checkpoints/3/model.ckpt", "exit_code", "job.json", "log.txt"]
+    got = {Path(f).relative_to(tmp_path / "dl").as_posix() for f in files}  # job/: the supervisor's files
+    assert {"checkpoints/3/model.ckpt", "job/exit_code", "job/output.log", "job/run.json"} <= got, got
     assert (tmp_path / "dl" / "checkpoints" / "3" / "model.ckpt").read_bytes() == bytes(range(256)) * 40
     with pytest.raises(UserError, match="exists already"):
         runner.download(None, tmp_path / "dl")
@@ -445,6 +468,9 @@ def test_pipeline_runs_detached_and_reports_exit_code(runner, installed, tmp_pat
     assert not res.ok and res.exit_codes == {0: 3} and "done" in res.stdout and "exit code 3" in res.error_value
     # The command line finds the last job from its record on the server and reports its exit code.
     assert cli_main(cli, [runner.address.http, "--token", TOKEN, "--wait"]) == 1
+    # ...and a run whose result is known (the last run()) is what wait() returns, not that old job
+    res = runner.run("print('now')", on_output=quiet)
+    assert runner.wait() is res and runner.status().state == "done"
 
 
 @pytest.mark.timeout(120)
@@ -452,14 +478,14 @@ def test_pipeline_one_at_a_time_survives_reconnect_and_stops(server, runner, ins
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
     runner.run_pipeline(command=[str(script), "--steps=400", "--sleep=0.05", "--run-dir={run_dir}"], name="long-run")
-    with pytest.raises(RemoteError, match="long-run .* is still running"):
+    with pytest.raises(RemoteError, match="job long-run .* is still running"):
         runner.run_pipeline(command=[str(script)], name="second")
     with pytest.raises(RemoteTimeout, match="still running"):
         runner.wait(timeout=1, on_output=quiet, poll_interval=0.2)
     with KaggleRunner(server.url, TOKEN) as other:  # a fresh runner (another laptop) finds the job
         other.stop()
         res = other.wait(timeout=30, on_output=quiet, poll_interval=0.2)
-    assert not res.ok and res.exit_codes == {0: -15}
+    assert not res.ok and res.exit_codes == {0: 143}  # SIGTERM: 128 + 15, as worker.py and a shell report it
     runner.job = None
 
 
@@ -478,8 +504,11 @@ def test_chunked_upload_and_binary_download(runner, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_real_run_tinystories(runner, installed, tmp_path):
-    if not (installed["repo"] / "scripts" / "run_tinystories.py").exists():
+    if "scripts/run_tinystories.py" not in repo_files(REPO):
         pytest.skip("scripts/run_tinystories.py does not exist yet (being written by another engineer)")
+    # the repository has it, so the upload must have it too (an upload that drops it fails here)
+    assert "scripts/run_tinystories.py" in installed["uploaded"]
+    assert (Path(installed["src"]) / "scripts" / "run_tinystories.py").is_file()
     runner.run_pipeline(depth=2, steps=5, name="real-d2")
     res = runner.wait(timeout=540, on_output=quiet)
     assert res.ok, res.stdout[-3000:]

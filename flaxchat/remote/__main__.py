@@ -3,8 +3,9 @@
     python -m flaxchat.remote.kaggle URL --check-devices
     python -m flaxchat.remote.kaggle URL --run "import sys; print(sys.version)"
     python -m flaxchat.remote.kaggle URL --file train_snippet.py --timeout 600
-    python -m flaxchat.remote.kaggle URL --setup .        # upload + install this repo
+    python -m flaxchat.remote.kaggle URL --setup .        # upload this repo's tracked files, install them
     python -m flaxchat.remote.kaggle URL --status | --wait | --stop [--restart | --shutdown]
+    python -m flaxchat.remote.kaggle URL --reattach REQUEST_ID   # a run whose connection was lost
 
 The token comes from --token or $KAGGLE_JUPYTER_TOKEN and is never printed; neither is the URL's
 path (Kaggle signs it). Exit status: 0 ok, 1 the remote code or job failed, 2 anything else wrong.
@@ -45,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--run", metavar="CODE", help="execute this Python code on the kernel")
     what.add_argument("--file", metavar="F", help="execute the Python code in file F on the kernel")
     what.add_argument("--check-devices", action="store_true", help="print what JAX sees on the kernel's machine")
-    what.add_argument("--status", action="store_true", help="print the kernel's execution state")
-    what.add_argument("--stop", action="store_true", help="interrupt the running cell and end the training job")
+    what.add_argument("--status", action="store_true", help="print the state of the last job (or the kernel's)")
+    what.add_argument("--stop", action="store_true",
+                      help="end the training job (its process group); other cells on the kernel are left alone")
+    what.add_argument("--reattach", metavar="ID", help="follow a run whose connection was lost, by its request id")
     what.add_argument("--setup", metavar="REPO", nargs="?", const=".", help="upload REPO (default .) and install it")
     what.add_argument("--wait", action="store_true", help="follow the training job's log until it exits")
     p.add_argument("--token", help=f"the server's token (default: ${TOKEN_ENV}); never printed")
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="with --stop: also restart the kernel")
     p.add_argument("--shutdown", action="store_true", help="with --stop: also shut the kernel down")
     p.add_argument("--no-deps", action="store_true", help="with --setup: do not install dependencies")
+    p.add_argument("--untracked", action="store_true",
+                   help="with --setup: also upload files git does not track (never secret-looking ones)")
     p.add_argument("--protocol", choices=["auto", "v1", "legacy"], default="auto",
                    help="kernel WebSocket framing (default: auto)")
     return p
@@ -85,11 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{st.state}: {st.detail}")
         elif args.stop:
             runner.stop(restart=args.restart, shutdown=args.shutdown)
-            print(f"stopped: kernel {runner.kernel_id}" + (" restarted" if args.restart else "")
-                  + (" shut down" if args.shutdown else " interrupted"))
+            print("stopped" + (f"; kernel {runner.kernel_id} restarted" if args.restart else "")
+                  + (f"; kernel {runner.kernel_id} shut down" if args.shutdown else ""))
+        elif args.reattach:
+            _raise_if_failed(runner.reattach(args.reattach, timeout=args.timeout), "the remote code")
         elif args.setup is not None:
-            info = runner.setup(args.setup, deps=not args.no_deps)
+            info = runner.setup(args.setup, deps=not args.no_deps, untracked=args.untracked)
             print(f"setup: {'installed' if info['changed'] else 'up to date'} ({info['files']} files)")
+            if info.get("missing"):
+                raise RemoteFailed(f"setup could not install {', '.join(info['missing'])}: {info['hint']}.")
         elif args.wait:
             _raise_if_failed(runner.wait(timeout=args.timeout), "the job")
     finally:

@@ -1,3 +1,4 @@
+# READ FIRST: engineers are working in this tree at the same time. The lead's rules (which files are yours, git discipline: path-limited commits only, never git add -A/stash/checkout/reset/clean; CPU limits; the 10:45 UTC deadline; what to report) are in /work/main/WORKING-NOW.md. The lead removes this line.
 """The one interface every place flaxchat runs on implements: this machine, a Kaggle kernel, a TPU pod.
 
 Same verbs, same result types, same errors:
@@ -22,7 +23,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from flaxchat.errors import UserError
 
-State = Literal["idle", "running", "done", "failed", "unknown"]
+State = Literal["idle", "queued", "running", "done", "failed", "unknown"]
 OutputCallback = Callable[[str, str], None]  # (stream name: 'stdout' | 'stderr', text)
 
 
@@ -52,6 +53,12 @@ class RunResult:
     traceback: list[str] = dataclasses.field(default_factory=list)
     exit_codes: dict[int, int] = dataclasses.field(default_factory=dict)  # worker/process -> exit code
     elapsed: float = 0.0
+    # Kaggle: the execute request's id (runner.reattach(request_id) follows it after a lost connection)
+    request_id: str | None = None
+    # True when some of the output is known to be missing (never together with ok=True); the
+    # message says where the full output is (`output_file`, on the server, for runner.download)
+    incomplete: bool = False
+    output_file: str | None = None
 
     def raise_for_error(self) -> "RunResult":
         if not self.ok:

@@ -1,17 +1,16 @@
-"""The Jupyter protocol, client side: the REST API, a kernel's WebSocket channels, execute with reattach.
+# READ FIRST: engineers are working in this tree at the same time. The lead's rules (which files are yours, git discipline: path-limited commits only, never git add -A/stash/checkout/reset/clean; CPU limits; the 10:45 UTC deadline; what to report) are in /work/main/WORKING-NOW.md. The lead removes this line.
+"""The Jupyter protocol, client side: the REST API and a kernel's WebSocket channels (cells.py executes).
 
 What KaggleRunner stands on. A Kaggle notebook is a Jupyter server behind a proxy
 (`https://kkb-production.jupyter-proxy.kaggle.net/k/<id>/<signed token>/proxy`), so everything
 here is plain Jupyter and is tested against a real `jupyter_server` on 127.0.0.1.
 
-One `execute_request` is answered on two channels (messaging spec 5.3): iopub carries `status:
-busy`, `execute_input`, the outputs and `status: idle`; shell carries `execute_reply`. The reply
-can overtake the last outputs, so a cell is finished only when both the reply and the idle for its
-msg_id have arrived. Messages from other clients' cells share iopub; we filter on parent msg_id.
-
 When the WebSocket drops, the server keeps buffering our channels under `kernel_id:session_id` and
-replays them to a client that comes back with the same session id. So a connection keeps one
-session id for its life, reconnects with it, and never sends the code again by itself.
+replays them to a client that comes back with the same session id, but only while no other client
+is attached to the kernel (on Kaggle the notebook's tab usually is). So a connection keeps one
+session id for its life, reconnects with it, and never sends the code again by itself; cells.py
+checks the output against files on the server wherever a message may be missing. A socket that
+stays silent gets a ping; no answer at all within a bound means a frozen connection: replaced.
 """
 
 from __future__ import annotations
@@ -25,22 +24,17 @@ import socket
 import struct
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 
 import requests
 import websocket
 
 from flaxchat.errors import UserError
-from flaxchat.remote.base import OutputCallback, RemoteConnectionError, RemoteError, RunResult
+from flaxchat.remote.base import RemoteConnectionError, RemoteError
 
 V1_PROTOCOL = "v1.kernel.websocket.jupyter.org"
-# A display_data bundle with this type carries a value back to the runner (see kaggle.py): not
-# the execute_result, because IPython's displayhook of a store_history=False cell tokenizes the
-# last *stored* cell and fails when that one had a syntax error.
-RESULT_MIME = "text/x-flaxchat-result"
 MSG_SPEC_VERSION = "5.3"
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class KernelGone(RemoteError):
@@ -169,11 +163,12 @@ class JupyterREST:
         self.session.headers["X-XSRFToken"] = xsrf
 
     def request(self, method: str, path: str, *, what: str, ok=(200, 201, 204), **kw) -> requests.Response:
-        timeout, stream = kw.pop("timeout", self.timeout), kw.pop("stream", False)
+        bounded = kw.get("timeout") not in (None, self.timeout)  # a caller's deadline: no retries past it
+        timeout, stream = kw.pop("timeout", None) or self.timeout, kw.pop("stream", False)
         prepared = self.session.prepare_request(requests.Request(method, f"{self.address.http}/{path}", **kw))
         prepared.url = _unshadow(prepared.url)
         # Only GETs are retried: a repeated POST could start a second kernel or append a chunk twice.
-        tries = 1 + (self.get_retries if method == "GET" else 0)
+        tries = 1 + (self.get_retries if method == "GET" and not bounded else 0)
         for attempt in range(tries):
             try:
                 resp = self.session.send(prepared, timeout=timeout, stream=stream)
@@ -218,8 +213,9 @@ class JupyterREST:
     def kernels(self) -> list[dict]:
         return self.json("GET", "api/kernels", what="the kernel list request", ok=(200,))
 
-    def kernel(self, kernel_id: str) -> dict:
-        resp = self.request("GET", f"api/kernels/{quote(kernel_id)}", what="the kernel status request", ok=(200, 404))
+    def kernel(self, kernel_id: str, timeout: float | None = None) -> dict:
+        resp = self.request("GET", f"api/kernels/{quote(kernel_id)}", what="the kernel status request", ok=(200, 404),
+                            timeout=timeout or self.timeout)
         if resp.status_code == 404:
             raise KernelGone(f"kernel {kernel_id} does not exist on the server (it died or was shut down); "
                              "start the notebook again or pass another URL.")
@@ -247,10 +243,14 @@ class JupyterREST:
         self.request("DELETE", f"api/kernels/{quote(kernel_id)}", what="the shutdown request")
 
     # contents ---------------------------------------------------------------------------------
-    def model(self, path: str, content: bool = False, fmt: str | None = None) -> dict | None:
+    def model(self, path: str, content: bool = False, fmt: str | None = None, timeout: float | None = None) -> dict | None:
         params = {"content": int(content)} | ({"format": fmt} if fmt else {})
-        resp = self.request("GET", _contents_path(path), what=f"reading {path}", ok=(200, 404), params=params)
+        resp = self.request("GET", _contents_path(path), what=f"reading {path}", ok=(200, 404), params=params,
+                            timeout=timeout or self.timeout)
         return None if resp.status_code == 404 else resp.json()
+
+    def delete(self, path: str) -> None:
+        self.request("DELETE", _contents_path(path), what=f"deleting {path}", ok=(204, 404))
 
     def mkdir(self, path: str) -> None:
         parts = [p for p in path.split("/") if p]
@@ -258,7 +258,7 @@ class JupyterREST:
             sub = "/".join(parts[:i])
             self.request("PUT", _contents_path(sub), what=f"creating {sub}", json={"type": "directory"})
 
-    def upload(self, path: str, data: bytes, chunk_size: int = 4 << 20) -> None:
+    def upload(self, path: str, data: bytes, chunk_size: int = 4 << 20, timeout: float = 300) -> None:
         """Write `data` to `path`; above `chunk_size`, in numbered chunks (1, 2, …, -1 for the last),
         because proxies cap request bodies and one base64 JSON body of a big file is ~1.33x its size."""
         if "/" in path.strip("/"):
@@ -272,17 +272,40 @@ class JupyterREST:
             body = {"type": "file", "format": "base64", "content": base64.b64encode(piece).decode("ascii")}
             if chunk is not None:
                 body["chunk"] = chunk
-            self.request("PUT", _contents_path(path), what=f"uploading {path}", json=body, timeout=300)
+            self.request("PUT", _contents_path(path), what=f"uploading {path}", json=body, timeout=timeout)
 
-    def read_bytes(self, path: str) -> bytes | None:
-        model = self.model(path, content=True, fmt="base64")
+    def read_bytes(self, path: str, timeout: float | None = None) -> bytes | None:
+        model = self.model(path, content=True, fmt="base64", timeout=timeout)
         return None if model is None else base64.b64decode(model["content"])
 
-    def download_file(self, path: str, target, expected_size: int | None) -> int:
-        """Stream one file to `target` (a binary file object) through /files/; return the byte count."""
-        resp = self.request("GET", f"files/{quote(path)}", what=f"downloading {path}", ok=(200,), stream=True, timeout=300)
-        n = 0
+    def read_range(self, path: str, start: int, limit: int = 1 << 20, timeout: float | None = None,
+                   tail: int | None = None) -> bytes | None:
+        """Bytes [start, start+limit) of a file through /files/ with a Range header, or its last `tail`
+        bytes (None: no such file). The server answers 416 when `start` is at the end: nothing new."""
+        rng = f"bytes=-{tail}" if tail else f"bytes={start}-{start + limit - 1}"
+        resp = self.request("GET", f"files/{quote(path)}", what=f"reading {path}", ok=(200, 206, 404, 416),
+                            headers={"Range": rng}, timeout=timeout or self.timeout)
+        if resp.status_code == 404:
+            return None
+        if resp.status_code == 416:
+            return b""
+        data = resp.content
+        if resp.status_code == 200:  # the server ignored Range: cut the answer ourselves
+            return data[-tail:] if tail else data[start:start + limit]
+        return data
+
+    def download_file(self, path: str, target, expected_size: int | None, start: int = 0) -> int:
+        """Stream one file to `target` (a binary file object, positioned at `start`) through /files/,
+        from byte `start` on (a Range request: a broken download resumes); return the bytes now there."""
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        resp = self.request("GET", f"files/{quote(path)}", what=f"downloading {path}", ok=(200, 206), stream=True,
+                            timeout=300, headers=headers)
+        n = start
         with resp:
+            if start and resp.status_code == 200:  # no Range support: start over
+                target.seek(0)
+                target.truncate()
+                n = 0
             for block in resp.iter_content(1 << 20):
                 target.write(block)
                 n += len(block)
@@ -347,14 +370,18 @@ class KernelConnection:
         self.connects = 0  # how many times a socket was opened (1 + reconnects)
         self.ws: websocket.WebSocket | None = None
         self.restarted = False  # the kernel restarted since our last request: wait until it is ready
+        self.heard = 0.0  # when the socket last delivered anything (a message or a pong)
+        self.ping_sent: float | None = None  # an unanswered ping went out then
+        self.current = None  # the execution in progress (cells.py), for stop() from another thread
 
-    def connect(self) -> None:
+    def connect(self, timeout: float | None = None) -> None:
         url = f"{self.address.ws}/api/kernels/{quote(self.kernel_id)}/channels?session_id={self.session_id}"
         header = [f"Authorization: token {self.address.token}"] if self.address.token else []
         offer = [V1_PROTOCOL] if self.protocol in ("auto", "v1") else None
         try:
             ws = websocket.create_connection(
-                url, header=header, subprotocols=offer, timeout=self.connect_timeout, enable_multithread=True,
+                url, header=header, subprotocols=offer, timeout=min(self.connect_timeout, timeout or self.connect_timeout),
+                enable_multithread=True,
                 skip_utf8_validation=True, sockopt=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),))
         except websocket.WebSocketBadStatusException as e:
             code = getattr(e, "status_code", None)
@@ -373,6 +400,8 @@ class KernelConnection:
             raise RemoteError("the server does not offer the v1 binary kernel protocol; use protocol='auto'.")
         self.ws = ws
         self.connects += 1
+        self.heard = time.monotonic()
+        self.ping_sent = None
         _quickack(ws.sock)
 
     def close(self) -> None:
@@ -400,281 +429,58 @@ class KernelConnection:
             raise _ConnectionLost("not connected")
         try:
             self.ws.settimeout(max(timeout, 0.001))
-            opcode, data = self.ws.recv_data()
+            opcode, data = self.ws.recv_data(control_frame=True)
         except websocket.WebSocketTimeoutException:
             return None
         except (OSError, websocket.WebSocketException) as e:
             raise _ConnectionLost(str(e)) from None
         _quickack(self.ws.sock)
+        self.heard, self.ping_sent = time.monotonic(), None
         if opcode == websocket.ABNF.OPCODE_CLOSE:
             raise _ConnectionLost("the server closed the connection")
+        if opcode in (websocket.ABNF.OPCODE_PONG, websocket.ABNF.OPCODE_PING):
+            return None  # websocket-client answers pings itself; a pong proves the socket is alive
         if self.subprotocol == V1_PROTOCOL:
             return decode_v1(data)
         return decode_legacy(data.decode() if opcode == websocket.ABNF.OPCODE_TEXT else data)
 
-    def ping(self) -> None:
-        try:
-            if self.ws is not None:
-                self.ws.ping()
-        except (OSError, websocket.WebSocketException):
-            pass  # the next recv sees the broken socket and reconnects
-
-    def reconnect(self, rest: JupyterREST, deadline: float | None, tries: int = 6) -> None:
-        """Open a new socket with the same session id, so the server replays what it buffered."""
-        self.close()
-        delay, last, t0 = 0.2, "", time.monotonic()
-        for _ in range(tries):
-            if deadline is not None and time.monotonic() + delay > deadline:
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 8.0)
+    def check_alive(self, quiet_s: float, pong_timeout_s: float) -> None:
+        """A socket silent for `quiet_s` gets a ping; one that answers nothing (not even the pong) for
+        `pong_timeout_s` after it is frozen (a proxy that stopped forwarding, a sleeping laptop):
+        raise _ConnectionLost, so that the caller reconnects instead of waiting forever."""
+        now = time.monotonic()
+        if self.ping_sent is not None and now - self.ping_sent > pong_timeout_s:
+            self.close()
+            raise _ConnectionLost(f"no answer to a ping within {pong_timeout_s:g} s (a frozen connection)")
+        if self.ping_sent is None and now - self.heard > quiet_s:
+            self.ping_sent = now
             try:
-                state = rest.kernel(self.kernel_id).get("execution_state")  # KernelGone is final
-                if state == "dead":
+                if self.ws is not None:
+                    self.ws.ping()
+            except (OSError, websocket.WebSocketException) as e:
+                raise _ConnectionLost(str(e)) from None
+
+    def reconnect(self, rest: JupyterREST, deadline: float | None, window: float = 300.0) -> None:
+        """Open a new socket with the same session id, so the server replays what it buffered. Keeps
+        trying until `deadline` (the caller's), or for `window` seconds when the caller set none;
+        every REST probe and connect attempt ends before that."""
+        self.close()
+        t0 = time.monotonic()
+        end = deadline if deadline is not None else t0 + window
+        delay, last = 0.2, ""
+        while time.monotonic() + delay < end:
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            left = end - time.monotonic()
+            try:
+                state = rest.kernel(self.kernel_id, timeout=max(0.5, min(10.0, left))).get("execution_state")
+                if state == "dead":  # KernelGone (404) is final, too
                     raise KernelGone(f"kernel {self.kernel_id} is dead; restart it from the notebook.")
-                self.connect()
+                self.connect(timeout=max(0.5, min(10.0, end - time.monotonic())))
                 return
             except KernelGone:
                 raise
             except RemoteError as e:  # connection trouble (the REST or the socket); try again
                 last = str(e)
         raise RemoteConnectionError(f"lost the connection to the kernel and could not reconnect within "
-                                    f"{time.monotonic() - t0:.0f} s ({last or 'out of time'}).")
-
-
-# --------------------------------------------------------------------------------------------
-# Execute
-
-
-def print_output(stream: str, text: str) -> None:
-    """The default on_output: the remote stdout/stderr appear on ours as they arrive."""
-    import sys
-    out = sys.stderr if stream == "stderr" else sys.stdout
-    out.write(text)
-    out.flush()
-
-
-@dataclasses.dataclass
-class _Execution:
-    """What one execute_request has produced so far (messages filtered on its msg_id)."""
-
-    msg_id: str
-    on_output: OutputCallback
-    echo_result: bool = True
-    stdout: list[str] = dataclasses.field(default_factory=list)
-    stderr: list[str] = dataclasses.field(default_factory=list)
-    result: str | None = None
-    error: tuple[str, str, list[str]] | None = None
-    reply: dict | None = None
-    idle_at: float | None = None
-    seen_at: float | None = None  # when the last message of ours arrived
-    died: str | None = None  # the kernel restarted or died under the cell
-
-    @property
-    def done(self) -> bool:
-        return self.reply is not None and self.idle_at is not None
-
-    def handle(self, msg: dict) -> None:
-        mtype, content = msg.get("msg_type") or msg["header"]["msg_type"], msg.get("content") or {}
-        if msg.get("parent_header", {}).get("msg_id") != self.msg_id:
-            # The server itself announces a restart or death with a parentless status message.
-            if mtype == "status" and content.get("execution_state") in ("restarting", "dead", "autorestarting"):
-                self.died = content["execution_state"]
-            return
-        self.seen_at = time.monotonic()
-        if mtype == "stream":
-            name, text = content.get("name", "stdout"), content.get("text", "")
-            (self.stderr if name == "stderr" else self.stdout).append(text)
-            self.on_output(name, text)
-        elif mtype == "execute_result":
-            self.result = content.get("data", {}).get("text/plain")
-            if self.result is not None and self.echo_result:
-                self.on_output("stdout", self.result + "\n")
-        elif mtype == "display_data" and RESULT_MIME in content.get("data", {}):
-            self.result = content["data"][RESULT_MIME]
-        elif mtype == "display_data":
-            text = content.get("data", {}).get("text/plain")
-            if text is not None:
-                self.stdout.append(text + "\n")
-                self.on_output("stdout", text + "\n")
-        elif mtype == "error":
-            tb = [_ANSI.sub("", line) for line in content.get("traceback", [])]
-            self.error = (content.get("ename", "Error"), content.get("evalue", ""), tb)
-            self.on_output("stderr", "\n".join(tb) + "\n")
-        elif mtype == "execute_reply":
-            self.reply = content
-        elif mtype == "status" and content.get("execution_state") == "idle":
-            self.idle_at = time.monotonic()
-
-    def to_result(self, elapsed: float, failure: tuple[str, str] | None = None) -> RunResult:
-        name = value = None
-        tb: list[str] = []
-        if self.error:
-            name, value, tb = self.error
-        elif self.reply is not None and self.reply.get("status") not in (None, "ok"):
-            name = self.reply.get("ename") or self.reply["status"].capitalize()
-            value = self.reply.get("evalue", "")
-        if failure:
-            name, value = failure
-        ok = failure is None and name is None and self.reply is not None
-        return RunResult(state="done" if ok else "failed", ok=ok, stdout="".join(self.stdout),
-                         stderr="".join(self.stderr), result=self.result, error_name=name, error_value=value,
-                         traceback=tb, elapsed=elapsed)
-
-
-def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: float | None = None,
-            on_output: OutputCallback | None = None, interrupt_on_timeout: bool = True,
-            store_history: bool = True, echo_result: bool = True) -> RunResult:
-    """Run `code` on the kernel; stream its output; return when it has finished (or failed).
-
-    A timeout is a failure: the cell is interrupted (unless told otherwise) and the result says so.
-    A dropped connection is reattached with the same session id and the same request is followed;
-    the code is never sent twice.
-    """
-    t0 = time.monotonic()
-    deadline = None if timeout is None else t0 + timeout
-    content = {"code": code, "silent": False, "store_history": store_history, "user_expressions": {},
-               "allow_stdin": False, "stop_on_error": True}
-    msg = new_message("execute_request", content, conn.session_id)
-    ex = _Execution(msg["msg_id"], on_output or print_output, echo_result)
-    try:
-        _drain(conn)
-        if conn.ws is None:  # nothing was sent yet, so a plain reconnect is safe
-            conn.reconnect(rest, deadline)
-        if conn.restarted:
-            _wait_ready(conn, rest, deadline)
-        try:
-            conn.send(msg)
-            reattached = False
-        except _ConnectionLost:  # it may or may not have reached the server: follow, do not resend
-            conn.reconnect(rest, deadline)
-            reattached = True
-        failure = _follow(conn, rest, ex, deadline, reattached)
-    except KernelGone as e:
-        failure = ("DeadKernel", f"the kernel died while running the code ({e})")
-    except KeyboardInterrupt:  # a local Ctrl-C also stops the remote cell, then propagates
-        _quiet(rest.interrupt, conn.kernel_id)
-        raise
-    if failure and failure[0] == "RemoteTimeout":
-        failure = _after_timeout(conn, rest, ex, timeout, interrupt_on_timeout)
-    return ex.to_result(time.monotonic() - t0, failure)
-
-
-def _drain(conn: KernelConnection, limit: int = 10_000) -> None:
-    """Read what arrived between requests (other clients' output, the server's notices), so that a
-    restart announced while we were idle is not blamed on the next request."""
-    for _ in range(limit):
-        try:
-            msg = conn.recv(0)
-        except _ConnectionLost:
-            conn.close()
-            return
-        if msg is None:
-            return
-        if msg.get("msg_type") == "status" and not msg.get("parent_header") and \
-                msg.get("content", {}).get("execution_state") in ("restarting", "dead", "autorestarting"):
-            _notice("the kernel restarted since the last request: its memory (variables, imports) is gone")
-            conn.restarted = True
-
-
-def _wait_ready(conn: KernelConnection, rest: JupyterREST, deadline: float | None, limit: float = 60.0) -> None:
-    """A restarted kernel answers on its request channel before the server has re-subscribed to its
-    output channel (IOPub), and output sent in that gap is lost. Nudge it with kernel_info requests
-    until one's status message comes back on IOPub: from then on, output arrives."""
-    end = time.monotonic() + limit if deadline is None else min(deadline, time.monotonic() + limit)
-    while time.monotonic() < end:
-        nudge = new_message("kernel_info_request", {}, conn.session_id)
-        try:
-            conn.send(nudge)
-            sent = time.monotonic()
-            while time.monotonic() - sent < 0.5:
-                msg = conn.recv(0.1)
-                if msg is not None and msg.get("parent_header", {}).get("msg_id") == nudge["msg_id"] and \
-                        (msg.get("msg_type") or msg["header"]["msg_type"]) == "status":
-                    conn.restarted = False
-                    return
-        except _ConnectionLost:  # nothing of the user's was sent yet: reconnecting is safe
-            conn.reconnect(rest, deadline)
-    raise RemoteConnectionError(f"the kernel restarted and did not become ready within {limit:.0f} s.")
-
-
-def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline: float | None,
-            reattached: bool) -> tuple[str, str] | None:
-    """Read messages until the cell is finished; return a (name, value) failure or None."""
-    heard = ex.seen_at = time.monotonic()
-    while not ex.done:
-        now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            return ("RemoteTimeout", "")
-        # After a reattach without a server-side buffer (another client was connected), the shell
-        # reply went to the dropped socket while iopub (a broadcast) still reached us: idle suffices.
-        if reattached and ex.idle_at is not None and now - ex.idle_at > 2:
-            ex.reply = {"status": "error" if ex.error else "ok"}
-            break
-        try:
-            msg = conn.recv(1.0 if deadline is None else min(1.0, deadline - now))
-        except _ConnectionLost:
-            _notice("the connection to the kernel dropped; reattaching to the running code")
-            conn.reconnect(rest, deadline)
-            _notice("reattached (output printed at the moment of the drop may be missing)")
-            reattached, heard, ex.seen_at = True, time.monotonic(), time.monotonic()
-            continue
-        if msg is not None:
-            heard = time.monotonic()
-            ex.handle(msg)
-            if ex.died:
-                conn.restarted = True
-                return ("DeadKernel", f"the kernel died while running the code (server status: {ex.died}); "
-                        "everything in its memory is lost")
-            continue
-        if now - heard > 30:  # proxies (Kaggle's included) drop WebSockets that stay silent too long
-            conn.ping()
-            heard = now
-        if _kernel_idle_without_us(rest, conn, ex, quiet=5 if reattached else 30):
-            if ex.error is None and ex.result is None:
-                return ("OutputLost", "the kernel is idle again but the end of this code's output never arrived "
-                        "(the connection dropped, or the server lost it), so its outcome is unknown")
-            # An error, or the last expression's value, is the cell's last word: the outcome is known.
-            ex.reply, ex.idle_at = {"status": "error" if ex.error else "ok"}, now
-    return None
-
-
-def _kernel_idle_without_us(rest: JupyterREST, conn: KernelConnection, ex: _Execution, quiet: float) -> bool:
-    """Has nothing of ours come for `quiet` seconds while the kernel (per REST) is idle? This bounds
-    the wait for messages that can no longer come, without ever sending the code again."""
-    if time.monotonic() - (ex.seen_at or 0.0) < quiet:
-        return False
-    try:
-        state = rest.kernel(conn.kernel_id).get("execution_state")
-    except RemoteError as e:
-        if isinstance(e, KernelGone):
-            raise
-        return False
-    if state in ("idle", "starting"):
-        return True
-    ex.seen_at = time.monotonic()  # busy (our code, or a queue before it): look again later
-    return False
-
-
-def _after_timeout(conn: KernelConnection, rest: JupyterREST, ex: _Execution, timeout: float | None,
-                   interrupt: bool) -> tuple[str, str]:
-    if not interrupt:
-        return ("RemoteTimeout", f"the code did not finish within {timeout:g} s; it is still running on the kernel")
-    _quiet(rest.interrupt, conn.kernel_id)
-    try:  # collect the interrupted cell's end, so the next request does not queue behind it
-        _follow(conn, rest, ex, time.monotonic() + 10, reattached=False)
-    except RemoteError:
-        pass
-    return ("RemoteTimeout", f"the code did not finish within {timeout:g} s and was interrupted")
-
-
-def _notice(text: str) -> None:
-    import sys
-    print(f"[flaxchat] {text}", file=sys.stderr, flush=True)
-
-
-def _quiet(fn: Callable, *args) -> None:
-    try:
-        fn(*args)
-    except RemoteError:
-        pass
+                                    f"{end - t0:.0f} s ({last.rstrip('.') or 'out of time'}).")

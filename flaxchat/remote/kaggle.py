@@ -1,70 +1,57 @@
+# READ FIRST: engineers are working in this tree at the same time. The lead's rules (which files are yours, git discipline: path-limited commits only, never git add -A/stash/checkout/reset/clean; CPU limits; the 10:45 UTC deadline; what to report) are in /work/main/WORKING-NOW.md. The lead removes this line.
 """KaggleRunner: train flaxchat on a Kaggle notebook's accelerators from your own machine.
 
     from flaxchat.remote import KaggleRunner
     runner = KaggleRunner("https://kkb-production.jupyter-proxy.kaggle.net/k/.../proxy")
-    runner.setup()                             # upload this repo, pip install it on the kernel
+    runner.setup()                             # upload this repo, install it next to the notebook's GPU JAX
     runner.check_devices()                     # {'backend': 'gpu', 'device_count': 2, ...}
     runner.run("print(1 + 1)")                 # Python on the kernel, output streamed back
-    runner.run_pipeline(depth=8, steps=5000)   # training starts detached on the kernel
-    runner.wait()                              # follow its log until it exits
+    runner.run_pipeline(depth=8, steps=5000)   # training starts detached on the kernel's machine
+    runner.wait()                              # follow its log until it exits (no kernel needed)
     runner.download(local_path="run")          # fetch the run folder (checkpoint, log)
 
-Any Jupyter server works (the tests use a local one). The work on the kernel is done by small
-snippets below (`_K_*`): each is a function `_flaxchat_main(params)` whose JSON return value
-comes back in a display_data bundle of its own type, so the runner never parses printed text. Files live under
-`flaxchat_remote/` in the server's root folder (`/kaggle/working` on Kaggle): `src/` (the
-uploaded repo), `setup.json` (what is installed), `runs/<name>/` (log.txt, exit_code, the run).
+Any Jupyter server works (the tests use a local one, with a second client playing the notebook's
+tab). The kernel is shared with that tab, so the runner uses it as little as possible: to install,
+to probe the devices, to start a job and to run your code. A job runs under the pods' supervisor
+(`flaxchat/cloud/worker.py`, run by path) with a watcher next to it (`kernel_side.py`); its log, exit
+code and progress are followed, and a stop is requested, through the server's file API, so a busy
+notebook cell never delays them and is never interrupted by them. Files live under `flaxchat_remote/`
+in the server's root folder (`/kaggle/working` on Kaggle): `src/` (the uploaded repo), `setup.json`,
+`bin/` (the two scripts), `cells/` (each run's output and outcome, see cells.py),
+`runs/<name>/` (the run folder; `job/` in it holds the supervisor's files).
 
 Command line: `python -m flaxchat.remote.kaggle URL --run CODE` (see --help).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import hashlib
 import io
 import json
 import os
-import subprocess
 import sys
 import tarfile
 import threading
 import time
 import uuid
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from flaxchat import uploads
+from flaxchat.cloud import worker as worker_module
 from flaxchat.errors import UserError, cli_main
-from flaxchat.remote.base import (OutputCallback, RemoteConnectionError, RemoteError, RemoteRunner, RemoteTimeout,
-                                  RunResult, RunStatus)
-from flaxchat.remote.jupyter import (RESULT_MIME, JupyterREST, KernelConnection, execute,
-                                     parse_server_url, print_output)
+from flaxchat.remote import kernel_side
+from flaxchat.remote.base import OutputCallback, RemoteError, RemoteRunner, RunResult, RunStatus
+from flaxchat.remote.cells import RESULT_MIME, CellFiles, Follow, execute, print_output, reattach
+from flaxchat.remote.jupyter import JupyterREST, KernelConnection, parse_server_url
+from flaxchat.remote.kaggle_jobs import Job, JobFollower
 
 TOKEN_ENV = "KAGGLE_JUPYTER_TOKEN"
 
 # --------------------------------------------------------------------------------------------
-# Kernel-side snippets. They run inside the notebook's Python; keep them self-contained.
-
-_K_ALIVE = '''
-def _flaxchat_alive(pid):
-    import os
-    proc = globals().get("_flaxchat_jobs", {}).get(pid)
-    if proc is not None:
-        return proc.poll() is None  # poll() also reaps it, so it never lingers as a zombie
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # exited but not reaped (its parent kernel restarted): state Z
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
-'''
+# Kernel-side snippets: each is a function `_flaxchat_main(params)` whose JSON return value comes
+# back in a display_data bundle of its own type, so the runner never parses printed text.
 
 _K_FIND_ROOT = '''
 def _flaxchat_main(p):
@@ -82,9 +69,11 @@ def _flaxchat_main(p):
                        "on another machine), so setup() and run_pipeline() cannot work with this kernel")
 '''
 
+# Unpack the upload, then kernel_side.py installs it in a child process (its output streamed here);
+# the running kernel is pointed at the new source too, so `import flaxchat` works in it at once.
 _K_SETUP = '''
 def _flaxchat_main(p):
-    import hashlib, importlib, json, os, site, subprocess, sys, sysconfig, tarfile
+    import hashlib, importlib, json, os, subprocess, sys, tarfile
     tar, src = os.path.join(p["root"], p["tar"]), os.path.join(p["root"], p["src"])
     with open(tar, "rb") as f:
         if hashlib.sha256(f.read()).hexdigest() != p["sha256"]:
@@ -93,23 +82,16 @@ def _flaxchat_main(p):
     with tarfile.open(tar) as t:
         t.extractall(src, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     os.remove(tar)
-    if p["install"] == "pip":
-        cmd = [sys.executable, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "-e", src]
-        cmd += ([] if p["deps"] else ["--no-deps"]) + p["pip_args"]
-        print("$ pip install " + " ".join(cmd[6:]), flush=True)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-        if proc.wait() != 0:
-            raise RuntimeError(f"pip install failed with exit code {proc.returncode} (its output is above)")
-    else:  # "path": what an editable install amounts to, for kernels that already have the dependencies
-        site_dir = sysconfig.get_paths()["purelib"]
-        if not os.access(site_dir, os.W_OK):
-            site_dir = site.getusersitepackages()
-            os.makedirs(site_dir, exist_ok=True)
-        with open(os.path.join(site_dir, "flaxchat-src.pth"), "w") as f:
-            f.write(src + "\\n")
-    # The running kernel read its .pth files at start: make the new code importable here too.
+    report = os.path.join(p["root"], p["report"])
+    cmd = [sys.executable, os.path.join(p["root"], p["kernel_side"]), "install", "--src", src, "--report", report,
+           "--offline", p["offline"], "--mode", p["install"], *([] if p["deps"] else ["--no-deps"]), "--", *p["pip_args"]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+    if proc.wait() != 0:
+        raise RuntimeError(f"the install failed with exit code {proc.returncode} (its output is above)")
+    with open(report) as f:
+        info = json.load(f)
     if src not in sys.path:
         sys.path.insert(0, src)
     for name in [m for m in sys.modules if m == "flaxchat" or m.startswith("flaxchat.")]:
@@ -119,7 +101,7 @@ def _flaxchat_main(p):
     with open(os.path.join(p["root"], p["marker"]) + ".tmp", "w") as f:
         json.dump(marker, f)
     os.replace(os.path.join(p["root"], p["marker"]) + ".tmp", os.path.join(p["root"], p["marker"]))
-    return marker
+    return dict(info, src=src)
 '''
 
 _K_IMPORT_CHECK = '''
@@ -154,89 +136,34 @@ def _flaxchat_main(p):
     return json.loads(r.stdout.strip().splitlines()[-1])
 '''
 
-# The wrapper owns the exit code: wait() reads it from a file, never guesses from the log.
-_WRAPPER = '''
-import os, signal, subprocess, sys
-signal.signal(signal.SIGTERM, lambda *a: None)  # stop() signals the group: let the child go first, then record
-rc = subprocess.call(sys.argv[2:])
-print(f"[flaxchat] the job exited with code {rc}", flush=True)
-with open(os.path.join(sys.argv[1], "exit_code.tmp"), "w") as f:
-    f.write(str(rc))
-os.replace(os.path.join(sys.argv[1], "exit_code.tmp"), os.path.join(sys.argv[1], "exit_code"))
-'''
-
-_K_LAUNCH = _K_ALIVE + '''
+# Start a job: kernel_side.py launches it under worker.py (in a session of its own) and a watcher.
+_K_LAUNCH = '''
 def _flaxchat_main(p):
-    import json, os, subprocess, sys, time
-    if os.path.exists(p["latest"]):
-        with open(p["latest"]) as f:
-            prev = json.load(f)
-        if not os.path.exists(os.path.join(prev["path"], "exit_code")) and _flaxchat_alive(prev["pid"]):
-            raise RuntimeError(f"job {prev['name']} (pid {prev['pid']}) is still running on the kernel; "
-                               "wait() for it or stop() it first")
+    import json, os, subprocess, sys
     if p["need_src"] and not os.path.isdir(p["cwd"]):
         raise RuntimeError("flaxchat is not set up on this kernel; run runner.setup() first")
-    if os.path.exists(p["path"]):
-        raise RuntimeError(f"a run named {p['name']} exists already on the kernel; pick another name")
-    os.makedirs(p["path"])
     cwd = p["cwd"] if os.path.isdir(p["cwd"]) else p["root"]
-    with open(os.path.join(p["path"], "log.txt"), "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-c", p["wrapper"], p["path"], sys.executable, *p["argv"]],
-                                cwd=cwd, env=dict(os.environ, **p["env"]), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    globals().setdefault("_flaxchat_jobs", {})[proc.pid] = proc
-    job = {"name": p["name"], "remote_dir": p["remote_dir"], "path": p["path"], "pid": proc.pid,
-           "argv": p["argv"], "started": time.time()}
-    for target in (os.path.join(p["path"], "job.json"), p["latest"]):
-        with open(target + ".tmp", "w") as f:
-            json.dump(job, f)
-        os.replace(target + ".tmp", target)
-    return job
+    cmd = [sys.executable, p["kernel_side"], "launch", "--worker", p["worker"], "--state-dir", p["state"],
+           "--run-id", p["name"], "--cwd", cwd, "--env-upload", p["env_upload"], "--previous", p["previous"],
+           "--", *p["argv"]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("FLAXCHAT ")]
+    if not lines:
+        raise RuntimeError("the job did not start: " + (r.stderr.strip().splitlines() or ["no output"])[-1])
+    out = json.loads(lines[-1][len("FLAXCHAT "):])
+    if not out.get("started"):
+        raise RuntimeError(out.get("error") or "the job did not start")
+    return out
 '''
 
-_K_POLL = _K_ALIVE + '''
+# Is the supervisor still there? Only asked when a job has been silent for long (see wait()).
+_K_JOB_ALIVE = '''
 def _flaxchat_main(p):
-    import os
-    def exit_code():
-        try:
-            with open(os.path.join(p["path"], "exit_code")) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-    code = exit_code()  # first: once it exists, the log is complete
-    with open(os.path.join(p["path"], "log.txt"), "rb") as f:
-        f.seek(p["offset"])
-        data = f.read(p["max_bytes"])
-    more = len(data) == p["max_bytes"]
-    alive = code is None and _flaxchat_alive(p["pid"])
-    if code is None and not alive:  # it ended after the log was read: read again for the tail
-        code, more = exit_code(), more or len(data) > 0
-    if alive and not more:
-        data = data[:data.rfind(b"\\n") + 1]  # whole lines only while it still writes
-    return {"text": data.decode("utf-8", "replace"), "offset": p["offset"] + len(data), "exit_code": code,
-            "alive": alive, "more": more}
-'''
-
-_K_KILL = _K_ALIVE + '''
-def _flaxchat_main(p):
-    import os, signal, time
-    done = os.path.join(p["path"], "exit_code")
-    if os.path.exists(done) or not _flaxchat_alive(p["pid"]):
-        return {"stopped": False}
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(p["pid"], sig)  # the job is its own session: this reaches the trainer too
-        except ProcessLookupError:
-            break
-        t0 = time.time()
-        while time.time() - t0 < grace and _flaxchat_alive(p["pid"]):
-            time.sleep(0.1)
-        if not _flaxchat_alive(p["pid"]):
-            break
-    if not os.path.exists(done):
-        with open(done, "w") as f:
-            f.write(str(-int(sig)))
-    return {"stopped": True}
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flaxchat_worker", p["worker"])
+    w = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(w)
+    return {"alive": w.status(p["state"])["alive"]}
 '''
 
 
@@ -249,34 +176,9 @@ def _kernel_code(snippet: str, params: Mapping[str, Any]) -> str:
 # Pure helpers: what to upload, what to run
 
 
-def repo_files(path: str | os.PathLike) -> list[str]:
-    """The repository's files to upload: git's tracked and untracked-but-not-ignored files, or a
-    walk that skips dot-folders, __pycache__ and simple .gitignore patterns when it is no git repo."""
-    root = Path(path).resolve()
-    if not (root / "pyproject.toml").is_file():
-        raise UserError(f"{path} is not the flaxchat repository (no pyproject.toml there); pass its root folder.")
-    if (root / ".git").exists():
-        r = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           capture_output=True, timeout=60)
-        if r.returncode == 0:
-            return sorted({n for n in r.stdout.decode().split("\0") if n and (root / n).is_file()})
-    ignore = [line.strip().rstrip("/") for line in _read_lines(root / ".gitignore") if line.strip()
-              and not line.startswith(("#", "!"))]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = Path(dirpath).relative_to(root)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__"
-                             and not _ignored(rel / d, ignore))
-        files += [str(rel / f) if str(rel) != "." else f for f in filenames if not _ignored(rel / f, ignore)]
-    return sorted(files)
-
-
-def _read_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.is_file() else []
-
-
-def _ignored(rel: Path, patterns: list[str]) -> bool:
-    return any(fnmatch(rel.name, p) or fnmatch(str(rel), p.lstrip("/")) for p in patterns)
+def upload_selection(path: str | os.PathLike, untracked: bool = False) -> tuple[list[str], list[str]]:
+    """(files to upload, secret-looking files left behind): the one selection of flaxchat.uploads."""
+    return uploads.repo_files(path, untracked=untracked), uploads.skipped_secrets(path, untracked=True)
 
 
 def build_archive(root: str | os.PathLike, files: Sequence[str]) -> tuple[bytes, str]:
@@ -310,18 +212,6 @@ def pipeline_argv(depth: int, steps: int, run_dir: str, flags: Mapping[str, Any]
     return argv
 
 
-@dataclasses.dataclass
-class Job:
-    """A training job started by run_pipeline, as recorded on the kernel."""
-
-    name: str
-    remote_dir: str  # relative to the server's root folder: what download() takes
-    path: str  # the same folder, absolute, on the kernel's machine
-    pid: int
-    argv: list[str]
-    offset: int = 0  # how much of log.txt wait() has shown
-
-
 def _discard(stream: str, text: str) -> None:
     pass
 
@@ -338,21 +228,30 @@ class KaggleRunner(RemoteRunner):
       KAGGLE_JUPYTER_TOKEN variable). The kernel is the URL's, `kernel_id`'s, a new one
       (`new_kernel=True`), or else the most recently active one, started if none runs.
     protocol: 'auto' (v1 binary framing when the server offers it, else legacy JSON), 'v1', 'legacy'.
+    reconnect_window: seconds to keep reconnecting a dropped socket when a call has no timeout of its
+      own; ping_after / pong_timeout: a silent socket is pinged, one that does not answer is replaced.
     Nothing touches the network until the first call.
     """
 
     def __init__(self, url: str, token: str | None = None, *, kernel_id: str | None = None,
                  kernel_name: str | None = None, new_kernel: bool = False, protocol: str = "auto",
-                 workdir: str = "flaxchat_remote", request_timeout: float = 30.0):
+                 workdir: str = "flaxchat_remote", request_timeout: float = 30.0, reconnect_window: float = 300.0,
+                 ping_after: float = 20.0, pong_timeout: float = 15.0):
         self.address = parse_server_url(url, token or os.environ.get(TOKEN_ENV) or None)
         self.rest = JupyterREST(self.address, timeout=request_timeout)
+        self.jobs = JobFollower(self.rest)
+        self.follow = Follow(window=reconnect_window, quiet_s=ping_after, pong_timeout_s=pong_timeout)
         self._kernel_id = kernel_id or self.address.kernel_id
         self._chosen = False
         self.kernel_name, self.new_kernel, self.protocol = kernel_name, new_kernel, protocol
         self.workdir = workdir.strip("/")
         self.connection: KernelConnection | None = None
         self.job: Job | None = None
+        self.last_result: RunResult | None = None  # the last run()'s, while it is the current work
+        self._running: str | None = None  # "the code is running": set while run() executes
         self._root: str | None = None  # the server's root folder as the kernel sees it
+        self._cells: CellFiles | None = None
+        self._bin_sent = False
         self._lock = threading.Lock()  # one request on the socket at a time; stop() may come from another thread
 
     # kernel and connection --------------------------------------------------------------------
@@ -382,11 +281,13 @@ class KaggleRunner(RemoteRunner):
                               "(or runner.stop(restart=True)).")
         return model["id"]
 
-    def _connect(self) -> KernelConnection:
-        if self.connection is None or self.connection.ws is None:
-            conn = self.connection or KernelConnection(self.address, self.kernel_id, protocol=self.protocol)
-            conn.connect()
-            self.connection = conn
+    def _connect(self, now: bool = True) -> KernelConnection:
+        """The kernel's connection; opened here unless `now` is False (the caller reconnects within its
+        own deadline)."""
+        if self.connection is None:
+            self.connection = KernelConnection(self.address, self.kernel_id, protocol=self.protocol)
+        if now and self.connection.ws is None:
+            self.connection.connect()
         return self.connection
 
     def close(self) -> None:
@@ -399,33 +300,63 @@ class KaggleRunner(RemoteRunner):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _cell_files(self) -> CellFiles:
+        """Where each run's output and outcome are kept on the server (see cells.py); the marker file by
+        which the kernel finds the server's root stays, so a restarted kernel finds it again."""
+        if self._cells is None:
+            nonce = uuid.uuid4().hex
+            cells = CellFiles(f"{self.workdir}/cells", f"{self.workdir}/cells/root-{nonce}.txt", nonce)
+            self.rest.upload(cells.marker, nonce.encode(), timeout=30)
+            self._cells = cells
+        return self._cells
+
     # running code ----------------------------------------------------------------------------
     def run(self, what: str, *, env: Mapping[str, str] | None = None, timeout: float | None = None,
             on_output: OutputCallback | None = None) -> RunResult:
         """Execute Python code on the kernel; output is streamed to `on_output(stream, text)` (default:
-        printed here). Returns the finished RunResult: 'done', or 'failed' with the error (a timeout
-        interrupts the cell and is a failure). `env` is set in the kernel's os.environ first (it stays).
+        printed here). Returns the finished RunResult: 'done', or 'failed' with the error. A timeout is
+        a failure: the cell is interrupted when the kernel is running it, and cancelled (state 'queued')
+        when it is still waiting behind another client's cell. A connection gone for longer than the
+        deadline (or `reconnect_window`) gives state 'unknown' with `request_id`: reattach() follows it.
+        `env` is set in the kernel's os.environ first (it stays); it travels as a file, never as code.
         The code runs inside the kernel process: JAX imported there holds the accelerator until the
         kernel restarts, which is why check_devices() and run_pipeline() use child processes."""
         with self._lock:
-            conn = self._connect()
-            if env:
-                prelude = f"import os as _os; _os.environ.update({ {str(k): str(v) for k, v in env.items()}!r})"
-                execute(conn, self.rest, prelude, timeout=60, on_output=_discard, store_history=False).raise_for_error()
-            return execute(conn, self.rest, what, timeout=timeout, on_output=on_output)
+            self.job, self.last_result, self._running = None, None, "the code is running on the kernel"
+            try:
+                conn, files = self._connect(), self._cell_files()
+                env_rel = None
+                if env:
+                    env_rel = f"{files.folder}/env-{uuid.uuid4().hex}.json"
+                    self.rest.upload(env_rel, json.dumps({str(k): str(v) for k, v in env.items()}).encode())
+                res = execute(conn, self.rest, what, timeout=timeout, on_output=on_output, files=files,
+                              env_file=env_rel, follow=self.follow)
+            finally:
+                self._running = None
+            self.last_result = res
+            return res
+
+    def reattach(self, request_id: str | None = None, *, timeout: float | None = None,
+                 on_output: OutputCallback | None = None) -> RunResult:
+        """Follow a run() whose connection was lost (or that was queued) until it ends; its full output
+        and outcome come from the files on the server. Default: the last run()."""
+        request_id = request_id or (self.last_result.request_id if self.last_result else None)
+        if request_id is None:
+            raise UserError("there is no run to reattach to; pass the request_id of run()'s result.")
+        with self._lock:
+            res = reattach(self._connect(now=False), self.rest, request_id, self._cell_files(), timeout=timeout,
+                           on_output=on_output, follow=self.follow)
+        if self.last_result is None or self.last_result.request_id == request_id:
+            self.last_result = res
+        return res
 
     def _call(self, snippet: str, what: str, *, timeout: float, on_output: OutputCallback = _discard,
-              interrupt_on_timeout: bool = True, lock: bool = True, **params) -> Any:
+              interrupt_on_timeout: bool = True, **params) -> Any:
         """Run a kernel-side snippet and return its JSON result; a failure is one RemoteError sentence."""
-        if lock:
-            self._lock.acquire()
-        try:
+        with self._lock:
             res = execute(self._connect(), self.rest, _kernel_code(snippet, params), timeout=timeout,
                           on_output=on_output, interrupt_on_timeout=interrupt_on_timeout, store_history=False,
-                          echo_result=False)
-        finally:
-            if lock:
-                self._lock.release()
+                          echo_result=False, follow=self.follow)
         if not res.ok:
             raise RemoteError(f"{what} failed on the kernel: {res.error_value or res.error_name}.")
         return json.loads(res.result)
@@ -439,139 +370,193 @@ class KaggleRunner(RemoteRunner):
                                     nonce=nonce)["root"]
         return self._root
 
+    def _send_bin(self) -> dict[str, str]:
+        """worker.py and kernel_side.py on the server (relative paths): jobs need no setup() to start."""
+        paths = {"worker": f"{self.workdir}/bin/worker.py", "kernel_side": f"{self.workdir}/bin/kernel_side.py"}
+        if not self._bin_sent:
+            for key, module in (("worker", worker_module), ("kernel_side", kernel_side)):
+                self.rest.upload(paths[key], Path(module.__file__).read_bytes())
+            self._bin_sent = True
+        return paths
+
     # RemoteRunner verbs -----------------------------------------------------------------------
     def setup(self, local_repo_path: str = ".", *, install: str = "pip", deps: bool = True,
-              pip_args: Sequence[str] = (), chunk_size: int = 4 << 20, timeout: float = 1800,
-              on_output: OutputCallback | None = None) -> dict[str, Any]:
-        """Upload the repo (one chunked .tar.gz through the Contents API) and install it on the kernel
-        (`pip install -e`, with its dependencies unless deps=False; install='path' only puts the
-        source on sys.path). Idempotent: when the same content is installed already, nothing happens.
-        Files deleted locally are not deleted on the kernel."""
+              pip_args: Sequence[str] = (), untracked: bool = False, offline: str = "auto",
+              chunk_size: int = 4 << 20, timeout: float = 1800, on_output: OutputCallback | None = None) -> dict[str, Any]:
+        """Upload the repo's tracked files (never secret-looking ones; `untracked=True` adds work in
+        progress) and install flaxchat on the kernel next to what the notebook image has for its
+        accelerator: jax, jaxlib and the CUDA/TPU plugin stay as they are (a pip constraints file), the
+        rest of flaxchat's dependencies are installed only where missing. Without Internet
+        (offline='auto' finds out; 'yes'/'no' to say) nothing is downloaded and the report names what is
+        missing and what to switch on. install='path' only puts the source on sys.path.
+        Idempotent: when the same content is installed already, nothing happens. Returns the report:
+        kept, installed, missing, offline, hint, uploaded (file list), skipped (secret-looking files)."""
         if install not in ("pip", "path"):
             raise UserError(f"install must be 'pip' or 'path' (got {install!r}).")
-        files = repo_files(local_repo_path)
+        if offline not in ("auto", "yes", "no"):
+            raise UserError(f"offline must be 'auto', 'yes' or 'no' (got {offline!r}).")
+        files, skipped = upload_selection(local_repo_path, untracked)
         data, digest = build_archive(local_repo_path, files)
+        out = on_output or print_output
+        out("stdout", f"[flaxchat] uploading {len(files)} files ({len(data) / 1024:.0f} KB compressed)"
+            + (f"; left out as secret-looking: {', '.join(skipped)}" if skipped else "") + "\n")
         want = {"hash": digest, "install": install, "deps": deps, "pip_args": list(pip_args)}
+        base = {"files": len(files), "uploaded": files, "skipped": skipped, "hash": digest, "install": install}
         marker_rel = f"{self.workdir}/setup.json"
         marker = _json_or_none(self.rest.read_bytes(marker_rel))
         if marker and all(marker.get(k) == v for k, v in want.items()) and \
                 self._call(_K_IMPORT_CHECK, "checking the installed flaxchat", timeout=180, src=marker["src"])["ok"]:
-            return {"changed": False, "files": len(files), "hash": digest}
+            out("stdout", "[flaxchat] setup: up to date\n")
+            return {"changed": False, **base, "src": marker["src"]}
         root = self._kernel_root()
+        bins = self._send_bin()
         tar_rel = f"{self.workdir}/upload-{digest[:12]}.tar.gz"
         self.rest.upload(tar_rel, data, chunk_size=chunk_size)
-        info = self._call(_K_SETUP, "setup", timeout=timeout, on_output=on_output or print_output, root=root,
-                          tar=tar_rel, sha256=hashlib.sha256(data).hexdigest(), src=f"{self.workdir}/src",
-                          install=install, deps=deps, pip_args=list(pip_args), marker=marker_rel, want=want)
-        return {"changed": True, "files": len(files), "hash": digest, "bytes": len(data), **info}
+        info = self._call(_K_SETUP, "setup", timeout=timeout, on_output=out, root=root, tar=tar_rel,
+                          sha256=hashlib.sha256(data).hexdigest(), src=f"{self.workdir}/src", install=install,
+                          deps=deps, pip_args=list(pip_args), marker=marker_rel, want=want, offline=offline,
+                          kernel_side=bins["kernel_side"], report=f"{self.workdir}/setup-report.json")
+        kept = ", ".join(f"{n} {v}" for n, v in info["kept"].items()) or "nothing (no jax there yet)"
+        out("stdout", f"[flaxchat] setup: kept {kept}; installed {', '.join(info['installed']) or 'nothing'}"
+            + (f"; MISSING {', '.join(info['missing'])}: {info['hint']}" if info["missing"] else "")
+            + (f"; {info['hint']}" if info["hint"] and not info["missing"] else "") + "\n")
+        return {"changed": True, **base, "bytes": len(data), **info}
 
     def check_devices(self, timeout: float = 300) -> dict[str, Any]:
         """What JAX sees on the kernel's machine, probed in a child process."""
         return self._call(_K_PROBE, "the device check", timeout=timeout + 30, probe_timeout=timeout)
 
+    def _latest_job(self) -> Job | None:
+        info = _json_or_none(self.rest.read_bytes(f"{self.workdir}/runs/latest.json"))
+        return None if not isinstance(info, dict) or "remote_dir" not in info else Job.from_record(info)
+
+    def _current_job(self) -> Job | None:
+        if self.job is None and self.last_result is None:
+            self.job = self._latest_job()  # a fresh runner (another laptop) finds the last job
+        return self.job
+
     def status(self) -> RunStatus:
-        """The kernel's execution state, from the REST API (never queued behind a running cell)."""
+        """The current work: a run() in progress or just finished, else the job (this runner's, or the
+        last one started on this server), read through the file API; 'idle' when there is none."""
+        if self._running:
+            return RunStatus("running", self._running, {"kernel_id": self._kernel_id})
+        if self.last_result is not None:
+            res = self.last_result
+            return RunStatus(res.state, f"the last run() is {res.state}" +
+                             (f" ({res.error_name}: {res.error_value})" if res.error_name else ""),
+                             {"request_id": res.request_id, "kernel_id": self._kernel_id})
+        job = self._current_job()
+        if job is not None:
+            return self.jobs.status(job)
         model = self.rest.kernel(self.kernel_id)
-        state = model.get("execution_state", "unknown")
-        mapped = {"idle": "idle", "starting": "idle", "busy": "running", "dead": "failed"}.get(state, "unknown")
-        return RunStatus(mapped, detail=f"kernel {self.kernel_id} is {state}", info=model)
+        return RunStatus("idle", f"nothing started; kernel {self.kernel_id} is {model.get('execution_state')}", model)
+
+    def wait(self, timeout: float | None = None, on_output: OutputCallback | None = None,
+             poll_interval: float = 2.0) -> RunResult:
+        """Block until the current work ends and return its RunResult: the last run() (reattached when
+        its connection was lost), or the job, followed through the file API ('done' only for exit
+        code 0). Raises RemoteTimeout after `timeout` s (the job keeps running; wait again)."""
+        if self.last_result is not None:
+            res = self.last_result
+            if res.state in ("unknown", "queued") and res.request_id:
+                return self.reattach(res.request_id, timeout=timeout, on_output=on_output)
+            return res
+        job = self._current_job()
+        if job is None:
+            raise RemoteError("there is no work to wait for: start some with run() or run_pipeline().")
+        return self.jobs.wait(job, timeout=timeout, on_output=on_output or print_output, poll_interval=poll_interval,
+                              alive=self._job_alive)
+
+    def _job_alive(self, job: Job) -> bool | None:
+        """Asked only after a long silence: the supervisor's liveness, if the kernel is free to say."""
+        try:
+            if self.rest.kernel(self.kernel_id).get("execution_state") != "idle":
+                return None
+            bins = self._send_bin()
+            return self._call(_K_JOB_ALIVE, "checking the job", timeout=30, interrupt_on_timeout=False,
+                              worker=f"{self._kernel_root()}/{bins['worker']}",
+                              state=f"{self._kernel_root()}/{job.state}")["alive"]
+        except RemoteError:
+            return None
 
     def stop(self, *, restart: bool = False, shutdown: bool = False) -> None:
-        """Interrupt the running cell and end the job run_pipeline started (if it still runs);
-        then restart the kernel (its memory is lost) or shut it down, when asked."""
-        kid = self.kernel_id
-        self.rest.interrupt(kid)
-        job = self.job or self._latest_job()
-        # The interrupted cell (if run() is in another thread) ends within moments and frees the socket.
-        if job is not None and self._lock.acquire(timeout=15):
-            try:
-                self._call(_K_KILL, "stopping the job", timeout=30, interrupt_on_timeout=False, lock=False,
-                           path=job.path, pid=job.pid)
-            finally:
-                self._lock.release()
+        """End the current work without touching anything else on the kernel: the job (its whole
+        process group, through a stop request its watcher acts on), or a run() of ours that the
+        kernel is executing (interrupted; another client's cell is never interrupted). Raises only if
+        the job is still alive afterwards. Then restart the kernel (its memory is lost) or shut it
+        down, when asked."""
+        job = self._current_job()
+        current = getattr(self.connection, "current", None)
+        if self._running and current is not None and current.started and current.idle_at is None:
+            self.rest.interrupt(self.kernel_id)  # our own cell is what the kernel runs: nobody else's
+        if job is not None and self.jobs.exit_code(job) is None:
+            self.jobs.request_stop(job)
+            self.jobs.wait_stopped(job)
         if shutdown:
-            self.rest.shutdown(kid)
+            self.rest.shutdown(self.kernel_id)
             self.close()
         elif restart:
-            self.rest.restart(kid)
+            self.rest.restart(self.kernel_id)
             self.close()  # a fresh socket next time, without the restart notices of this one
             if self.connection is not None:
                 self.connection.restarted = True  # and the next request first waits until it is ready
 
     # background training -------------------------------------------------------------------
     def run_pipeline(self, depth: int = 8, steps: int = 5000, *, command: Sequence[str] | None = None,
-                     env: Mapping[str, str] | None = None, name: str | None = None, follow: bool = False,
-                     **flags) -> RunResult:
+                     env: Mapping[str, str] | None = None, secrets: Mapping[str, str] | None = None,
+                     name: str | None = None, resume: bool = False, follow: bool = False, **flags) -> RunResult:
         """Start `python -m scripts.run_tinystories --depth=.. --steps=.. --run-dir=.. [--flags]` on the
-        kernel as a detached process (a dropped connection or an interrupted cell does not stop it)
-        and return at once (state 'running'); wait() follows it. `command` replaces the arguments
-        given to the kernel's Python ('{run_dir}' in them is filled in); FLAXCHAT_RUN_DIR is set."""
+        kernel's machine as a detached job (a dropped connection, an interrupted cell or a kernel
+        restart does not stop it) and return at once (state 'running'); wait() follows it. `command`
+        replaces the arguments given to the kernel's Python ('{run_dir}' in them is filled in);
+        FLAXCHAT_RUN_DIR is set. env and secrets travel as a file (0600, outside /kaggle/working once
+        on the machine), never as code; secret values are *** in the log. resume=True starts again in
+        the run folder of `name` (default: the last job's), where the training resumes from its checkpoint."""
+        latest = self._latest_job()
+        if resume:
+            name = name or (latest.name if latest else None)
+            if name is None:
+                raise UserError("there is no run to resume; pass name= of a run folder under runs/.")
         root = self._kernel_root()
+        bins = self._send_bin()
         name = name or time.strftime("%Y%m%d-%H%M%S") + f"-d{depth}"
         remote_dir = f"{self.workdir}/runs/{name}"
+        exists = self.rest.model(remote_dir) is not None
+        if exists and not resume:
+            raise UserError(f"a run named {name} exists already on the kernel; pick another name, or resume=True.")
+        if resume and not exists:
+            raise UserError(f"there is no run named {name} to resume on the kernel.")
         path = f"{root}/{remote_dir}"
         argv = pipeline_argv(depth, steps, path, flags) if command is None else \
             [str(a).replace("{run_dir}", path) for a in command]
+        job = Job(name, remote_dir, path, argv)
+        if resume:
+            log = self.rest.model(f"{job.state}/output.log")
+            job.offset = (log or {}).get("size") or 0
+        variables = {"PYTHONUNBUFFERED": "1", "FLAXCHAT_RUN_DIR": path,
+                     "FLAXCHAT_PROGRESS_FILE": f"{root}/{job.state}/progress.json", **dict(env or {}), **dict(secrets or {})}
+        env_rel = f"{self.workdir}/tmp/env-{uuid.uuid4().hex}.json"
+        self.rest.upload(env_rel, json.dumps({"env": variables, "secret_keys": sorted(secrets or {})}).encode())
         t0 = time.monotonic()
-        info = self._call(_K_LAUNCH, "starting the job", timeout=120, root=root, name=name, remote_dir=remote_dir,
-                          path=path, argv=argv, cwd=f"{root}/{self.workdir}/src", need_src=command is None,
-                          env={"PYTHONUNBUFFERED": "1", "FLAXCHAT_RUN_DIR": path, **dict(env or {})},
-                          latest=f"{root}/{self.workdir}/runs/latest.json", wrapper=_WRAPPER)
-        self.job = Job(info["name"], info["remote_dir"], info["path"], info["pid"], info["argv"])
-        print(f"started job {name} on the kernel (pid {self.job.pid}); runner.wait() follows its log", flush=True)
+        info = self._call(_K_LAUNCH, "starting the job", timeout=120, root=root, name=name, argv=argv,
+                          state=f"{root}/{job.state}", cwd=f"{root}/{self.workdir}/src", need_src=command is None,
+                          worker=f"{root}/{bins['worker']}", kernel_side=f"{root}/{bins['kernel_side']}",
+                          env_upload=f"{root}/{env_rel}", previous=f"{root}/{latest.state}" if latest else "")
+        job.pid = info.get("pid")
+        self.rest.upload(f"{self.workdir}/runs/latest.json", json.dumps(job.record()).encode())
+        self.job, self.last_result = job, None
+        print(f"started job {name} on the kernel's machine (pid {job.pid}); runner.wait() follows its log", flush=True)
         started = RunResult(state="running", ok=True, elapsed=time.monotonic() - t0)
         return self.wait() if follow else started
-
-    def _latest_job(self) -> Job | None:
-        info = _json_or_none(self.rest.read_bytes(f"{self.workdir}/runs/latest.json"))
-        return None if info is None else Job(info["name"], info["remote_dir"], info["path"], info["pid"], info["argv"])
-
-    def wait(self, timeout: float | None = None, on_output: OutputCallback | None = None,
-             poll_interval: float = 2.0) -> RunResult:
-        """Follow the job's log until it exits; 'done' only for exit code 0 (read from the file the
-        wrapper writes). Raises RemoteTimeout after `timeout` s (the job keeps running; wait again)."""
-        job = self.job = self.job or self._latest_job()
-        if job is None:
-            raise RemoteError("there is no job to wait for; start one with run_pipeline() first.")
-        out, t0, log = on_output or print_output, time.monotonic(), []
-        last_news = t0
-        while True:
-            try:
-                st = self._call(_K_POLL, "reading the job's log", timeout=60, interrupt_on_timeout=False,
-                                path=job.path, pid=job.pid, offset=job.offset, max_bytes=1 << 20)
-            except RemoteConnectionError as e:
-                raise RemoteConnectionError(f"{e} The job keeps running on the kernel; call wait() again.") from None
-            job.offset, now = st["offset"], time.monotonic()
-            if st["text"]:
-                out("stdout", st["text"])
-                log.append(st["text"])
-                last_news = now
-            if st["more"]:  # catching up with a long log: no pause
-                continue
-            if st["exit_code"] is not None or not st["alive"]:
-                break
-            if timeout is not None and now - t0 >= timeout:
-                raise RemoteTimeout(f"job {job.name} is still running after {timeout:g} s; call wait() again to "
-                                    "keep following it, or stop() to end it.")
-            if now - last_news > 60:  # a quiet job still shows it is alive
-                out("stderr", f"[flaxchat] {job.name} still running ({now - t0:.0f} s)\n")
-                last_news = now
-            time.sleep(poll_interval if timeout is None else max(0.0, min(poll_interval, t0 + timeout - now)))
-        code = st["exit_code"]
-        ok = code == 0
-        why = None if ok else (f"exit code {code}; see {job.remote_dir}/log.txt" if code is not None
-                               else "it ended without an exit code (killed, or its machine restarted)")
-        return RunResult(state="done" if ok else "failed", ok=ok, stdout="".join(log)[-(4 << 20):],
-                         error_name=None if ok else "JobFailed", error_value=why,
-                         exit_codes={0: code} if code is not None else {}, elapsed=time.monotonic() - t0)
 
     def download(self, remote_path: str | None = None, local_path: str | os.PathLike = ".", *,
                  overwrite: bool = False) -> list[str]:
         """Fetch a file or a folder (recursively; its contents go into `local_path`) from the server.
-        `remote_path` is relative to the server's root; None means the last job's run folder.
-        Existing local files are kept unless overwrite=True. Returns the local paths written."""
+        `remote_path` is relative to the server's root; None means the current job's run folder.
+        Existing local files are kept unless overwrite=True; a download cut short leaves `<file>.part`,
+        which the next download resumes (a Range request). Returns the local paths written."""
         if remote_path is None:
-            job = self.job or self._latest_job()
+            job = self._current_job() or self._latest_job()
             if job is None:
                 raise UserError("there is no job whose folder to download; pass remote_path.")
             remote_path = job.remote_dir
@@ -599,10 +584,16 @@ class KaggleRunner(RemoteRunner):
             raise UserError(f"{target} exists already; move it away or pass overwrite=True.")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".part")
+        start = tmp.stat().st_size if tmp.exists() else 0
+        if model.get("size") is not None and start > model["size"]:
+            start = 0  # the remote file changed (shorter now): start over
         try:  # streamed through /files/; a proxy that passes only /api/ gets the Contents API's base64
-            with open(tmp, "wb") as f:
-                self.rest.download_file(model["path"], f, model.get("size"))
+            with open(tmp, "r+b" if start else "wb") as f:
+                f.seek(start)
+                self.rest.download_file(model["path"], f, model.get("size"), start=start)
         except RemoteError:
+            if model.get("size") is not None and model["size"] > (64 << 20):
+                raise  # too big for one base64 answer; the .part stays for the next try
             data = self.rest.read_bytes(model["path"])
             if data is None:
                 raise RemoteError(f"{model['path']} vanished from the server during the download.") from None
