@@ -18,6 +18,11 @@ from flaxchat.errors import UserError
 
 ASPECT_RATIO = 64  # n_embd = depth * 64 (nanochat)
 VOCAB_MULTIPLE = 64  # pad the embedding/LM head rows so matmuls tile well; logits are cropped
+
+# The learning rates and Muon weight decay of nanochat's base_train (tuned at d12, 2^19 tokens per
+# step); the one place they live: TrainConfig's flags, OptimConfig and the later stages read them.
+LR = dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5, smear_lr=0.2,
+          weight_decay=0.28)
 ATTENTION_KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")  # flaxchat.ops.KERNELS
 
 
@@ -125,20 +130,21 @@ class TrainConfig:
     vocab_size: int = 4096
     window_pattern: str = "SSSL"
     steps: int = -1  # -1: derive from --param-data-ratio (the training horizon)
-    param_data_ratio: float = 10.5  # tokens per scaling parameter when --steps is -1 (nanochat)
+    param_data_ratio: float = 12.0  # tokens per scaling parameter (block matrices + LM head), nanochat
     device_batch_size: int = 8  # rows per micro-batch on each device
-    total_batch_size: int = -1  # tokens per optimizer step; -1: one micro-batch on every device
+    total_batch_size: int = -1  # tokens per optimizer step; -1: nanochat's automatic size for the model
     optimizer: str = "muon"  # 'muon' (Muon + AdamW groups) or 'adamw'
-    matrix_lr: float = 0.02
-    embedding_lr: float = 0.3
-    unembedding_lr: float = 0.004
-    scalar_lr: float = 0.5
-    weight_decay: float = 0.2  # Muon's cautious weight decay, scaled by (12/depth)^2 and decayed to 0
+    matrix_lr: float = LR["matrix_lr"]
+    embedding_lr: float = LR["embedding_lr"]
+    unembedding_lr: float = LR["unembedding_lr"]
+    scalar_lr: float = LR["scalar_lr"]
+    weight_decay: float = LR["weight_decay"]  # Muon's cautious decay at B_ref and d12; scaled, cosine to 0
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
-    warmup_ratio: float = 0.0
-    warmdown_ratio: float = 0.5
-    final_lr_frac: float = 0.0
+    lr_batch_scaling: bool = True  # every LR x sqrt(B / 2^19) (nanochat); off: the LRs as given
+    warmup_steps: int = 40
+    warmdown_ratio: float = 0.65
+    final_lr_frac: float = 0.05
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
     sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
     eval_every: int = 250
@@ -164,8 +170,13 @@ class TrainConfig:
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
         if self.device_batch_size <= 0 or self.sequence_len <= 1:
             raise UserError("--device-batch-size must be positive and --sequence-len at least 2.")
-        if not 0 <= self.warmup_ratio + self.warmdown_ratio <= 1:
-            raise UserError("--warmup-ratio plus --warmdown-ratio must lie between 0 and 1.")
+        if self.warmup_steps < 0 or not 0 <= self.warmdown_ratio <= 1 or not 0 <= self.final_lr_frac <= 1:
+            raise UserError("--warmup-steps must be 0 or more, and --warmdown-ratio and --final-lr-frac between 0 and 1.")
+        if self.depth <= 0:
+            raise UserError(f"--depth must be at least 1 (got {self.depth}).")
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            raise UserError(f"--window-pattern {self.window_pattern!r} may only contain the letters S (short) "
+                            "and L (long), e.g. SSSL.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

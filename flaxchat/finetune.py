@@ -99,11 +99,13 @@ def open_stage(base: str, run_dir: str, *, steps: int, optim: StageOptim, dtype:
         tokenizer.save(os.path.join(run_dir, "tokenizer"))
 
     cfg = model.config
-    schedule = Schedule(max(steps, 1), optim.warmup_ratio, 1.0 - optim.warmup_ratio, 0.0)
+    schedule = Schedule(max(steps, 1), warmup_steps=round(optim.warmup_ratio * steps),
+                        warmdown_ratio=1.0 - optim.warmup_ratio, final_lr_frac=0.0, momentum="finetune",
+                        weight_decay="constant")
     ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
-    f = optim.lr_frac
-    opt_cfg = OptimConfig("muon", optim.matrix_lr * f, optim.embedding_lr * f, optim.unembedding_lr * f,
-                          optim.scalar_lr * f, optim.weight_decay, 0.8, 0.95, cfg.n_embd, cfg.n_layer, ns_dtype)
+    opt_cfg = OptimConfig(matrix_lr=optim.matrix_lr, embedding_lr=optim.embedding_lr,
+                          unembedding_lr=optim.unembedding_lr, scalar_lr=optim.scalar_lr,
+                          weight_decay=optim.weight_decay, n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
     optimizer = nnx.Optimizer(model, build_optimizer(opt_cfg, schedule), wrt=nnx.Param)
     compute = compute.with_sharding("dp")
     jax.set_mesh(compute.mesh)

@@ -25,14 +25,16 @@ from flaxchat import ops
 from flaxchat.sharding import constrain
 from flaxchat.config import GPTConfig
 
-VE_GATE_CHANNELS = 32
+VE_GATE_CHANNELS = 12  # input channels of the value-embedding gate (nanochat)
+VE_GATE_SCALE = 3.0  # the gate is 3·sigmoid, in (0, 3) (nanochat)
 SMEAR_CHANNELS = 24
 QK_SCALE = 1.2  # sharper attention after QK-norm, split between q and k (nanochat)
 
 
-def _uniform(scale: float):
+def _uniform(scale: float, low: float | None = None):
+    """U(-scale, scale), or U(low, scale) when `low` is given."""
     def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -scale, scale)
+        return jax.random.uniform(key, shape, dtype, -scale if low is None else low, scale)
     return init
 
 
@@ -71,7 +73,8 @@ class Attention(nnx.Module):
         if cfg.has_value_embed(layer):
             self.ve = Embedding(cfg.padded_vocab_size, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs,
                                 axes=("vocab", "kv"))
-            self.ve_gate = Linear(min(VE_GATE_CHANNELS, d), cfg.n_kv_head, init=_uniform(0.02), rngs=rngs)
+            # U(0, 0.02): the gate starts just above 3·sigmoid(0) = 1.5 for every head (nanochat).
+            self.ve_gate = Linear(min(VE_GATE_CHANNELS, d), cfg.n_kv_head, init=_uniform(0.02, 0.0), rngs=rngs)
         else:
             self.ve = None
             self.ve_gate = None
@@ -82,9 +85,9 @@ class Attention(nnx.Module):
         k = self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).reshape(B, T, self.n_kv_head, self.head_dim)
         if self.ve is not None:
-            # Value residual (ResFormer): a per-token value embedding, gated per kv head in (0, 2).
+            # Value residual (ResFormer): a per-token value embedding, gated per kv head in (0, 3).
             ve = self.ve(idx).astype(x.dtype).reshape(B, T, self.n_kv_head, self.head_dim)
-            gate = 2.0 * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
+            gate = VE_GATE_SCALE * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
             v = v + gate[..., None] * ve
         q = ops.rotary(q, positions, rope_base)
         k = ops.rotary(k, positions, rope_base)
@@ -137,7 +140,7 @@ class GPT(nnx.Module):
         self.resid_lambdas = nnx.Param(jnp.array([1.15 - 0.10 * i / denom for i in range(L)], jnp.float32))
         self.x0_lambdas = nnx.Param(jnp.array([0.20 - 0.15 * i / denom for i in range(L)], jnp.float32))
         nsm = min(SMEAR_CHANNELS, d)
-        self.smear_gate = Linear(nsm, 1, init=_uniform(1 / math.sqrt(nsm)), rngs=rngs)
+        self.smear_gate = Linear(nsm, 1, init=_uniform(0.02, 0.0), rngs=rngs)  # U(0, 0.02) (nanochat)
         self.smear_lambda = nnx.Param(jnp.zeros((1,), jnp.float32))
         self.backout_lambda = nnx.Param(jnp.full((1,), 0.2, jnp.float32))
 
@@ -260,6 +263,20 @@ def matmul_param_count(model: GPT) -> int:
     for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(str(p) for p in path)
         if name.endswith("kernel") and "smear_gate" not in name and "ve_gate" not in name:
+            total += leaf.get_value().size
+    if model.lm_head is None:
+        total += model.wte.embedding.get_value().size
+    return total
+
+
+def scaling_param_count(model: GPT) -> int:
+    """The parameters nanochat's horizon counts: everything in the blocks (their matrices, the
+    value-embedding gates) plus the LM head (base_train `get_scaling_params`). Token and value
+    embeddings and the top-level scalars are left out. With tied embeddings the table is the head."""
+    total = 0
+    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(str(p) for p in path)
+        if name.startswith(("blocks.", "lm_head.")) and ".ve." not in name:
             total += leaf.get_value().size
     if model.lm_head is None:
         total += model.wte.embedding.get_value().size

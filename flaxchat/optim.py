@@ -1,8 +1,10 @@
 """Muon for the block matrices + AdamW groups for everything else, as one optax transformation.
 
 Muon (https://kellerjordan.github.io/posts/muon/) as nanochat runs it: Nesterov momentum, the
-update orthogonalised by Polar Express (Amsel et al. 2025, five fixed-coefficient steps), NorMuon's
-per-row/column variance reduction, cautious weight decay, and LR scaled by sqrt(max(1, out/in)).
+update row-equilibrated (MuonEq), orthogonalised by Polar Express (Amsel et al. 2025, five
+fixed-coefficient steps), renormalised to sqrt(min(m, n)) (Muon+), NorMuon's per-row/column
+variance reduction (beta2 0.9), cautious weight decay, and LR scaled by sqrt(max(1, out/in)); the
+order and constants of nanochat's `muon_step_fused`.
 Embeddings, the LM head, value embeddings and the scalars go to AdamW groups with nanochat's betas
 and LR ratios; AdamW LRs scale as 1/sqrt(d_model/768). Parameters are grouped by their path with
 `optax.multi_transform`. Every schedule is a function of the step count inside the optimizer
@@ -12,11 +14,14 @@ state, so it runs inside jit and restores with the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from flaxchat.config import LR
 
 # Polar Express coefficients for 5 iterations (nanochat optim.py / Amsel et al. 2025).
 POLAR_EXPRESS = (
@@ -30,37 +35,70 @@ POLAR_EXPRESS = (
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """warmup -> constant -> linear warmdown to final_lr_frac, as a multiplier of the base LR."""
+    """The multipliers of one stage, as functions of the optimizer's step count (they run in jit).
+
+    LR: linear warmup over `warmup_steps`, constant, then a linear warmdown over the last
+    `warmdown_ratio` of the steps to `final_lr_frac` (nanochat base_train `get_lr_multiplier`).
+    Muon momentum ("pretrain"): 0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the
+    warmdown (base_train `get_muon_momentum`); ("finetune"): 0.85 -> 0.95 over 300 steps, as
+    chat_sft keeps it. Weight decay: "cosine" from 1 to 0 over the run (base_train
+    `get_weight_decay`), or "constant".
+    """
 
     total_steps: int
-    warmup_ratio: float = 0.0
-    warmdown_ratio: float = 0.5
-    final_lr_frac: float = 0.0
+    warmup_steps: int = 40
+    warmdown_ratio: float = 0.65
+    final_lr_frac: float = 0.05
+    momentum: str = "pretrain"
+    weight_decay: str = "cosine"
+
+    def __post_init__(self):
+        if self.momentum not in ("pretrain", "finetune") or self.weight_decay not in ("cosine", "constant"):
+            raise ValueError(f"unknown schedule kinds: momentum {self.momentum!r}, weight decay {self.weight_decay!r}")
+
+    @property
+    def warmdown_steps(self) -> int:
+        return round(self.warmdown_ratio * max(self.total_steps, 1))
 
     def lr_multiplier(self, step):
         step = jnp.asarray(step, jnp.float32)
         total = float(max(self.total_steps, 1))
-        warmup = round(self.warmup_ratio * total)
-        warmdown = round(self.warmdown_ratio * total)
+        warmup, warmdown = self.warmup_steps, self.warmdown_steps
         up = (step + 1) / max(warmup, 1)
         progress = (total - step) / max(warmdown, 1)
         down = progress + (1 - progress) * self.final_lr_frac
         return jnp.where(step < warmup, up, jnp.where(step <= total - warmdown, 1.0, down))
 
     def muon_momentum(self, step):
-        # 0.85 -> 0.95 over the first 300 steps (nanochat).
-        frac = jnp.minimum(jnp.asarray(step, jnp.float32) / 300.0, 1.0)
-        return (1 - frac) * 0.85 + frac * 0.95
+        step = jnp.asarray(step, jnp.float32)
+        if self.momentum == "finetune":
+            frac = jnp.minimum(step / 300.0, 1.0)
+            return (1 - frac) * 0.85 + frac * 0.95
+        start = float(max(self.total_steps, 1) - self.warmdown_steps)
+        frac = step / 400.0
+        progress = (step - start) / max(self.warmdown_steps, 1)
+        return jnp.where(step < 400, (1 - frac) * 0.85 + frac * 0.97,
+                         jnp.where(step >= start, 0.97 * (1 - progress) + 0.90 * progress, 0.97))
 
     def weight_decay_multiplier(self, step):
-        # Linear decay to zero over the run (nanochat base_train).
-        return jnp.maximum(0.0, 1.0 - jnp.asarray(step, jnp.float32) / max(self.total_steps, 1))
+        if self.weight_decay == "constant":
+            return jnp.ones([], jnp.float32)
+        return 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(step, jnp.float32) / max(self.total_steps, 1)))
 
 
 def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
-    """Approximately the orthogonal polar factor U·Vᵀ of g = U·S·Vᵀ."""
+    """Approximately the orthogonal polar factor U·Vᵀ of g = U·S·Vᵀ (kernel layout (in, out)).
+
+    First MuonEq row equilibration (arXiv 2603.28254): every output neuron's weights (a column
+    here, a row of torch's (out, in)) are rescaled to the mean norm, so the spectrum entering the
+    iteration is better conditioned; then the Frobenius pre-normalisation with nanochat's x1.01.
+    """
     x = g.astype(dtype)
-    x = x / (jnp.linalg.norm(x) * 1.02 + 1e-6)
+    xf = x.astype(jnp.float32)
+    target = jnp.linalg.norm(xf) / math.sqrt(x.shape[1])
+    col = jnp.maximum(jnp.linalg.norm(xf, axis=0, keepdims=True), 1e-6)
+    x = x * (target / col).astype(x.dtype)
+    x = x / (jnp.linalg.norm(x) * 1.01 + 1e-6)
     tall = x.shape[0] > x.shape[1]
     for a, b, c in POLAR_EXPRESS[:steps]:
         # Work on the small Gram matrix: (n x n) for a tall matrix, (m x m) for a wide one.
@@ -71,6 +109,13 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
             A = x @ x.T
             x = a * x + (b * A + c * (A @ A)) @ x
     return x.astype(g.dtype)
+
+
+def renormalise(o: jax.Array) -> jax.Array:
+    """Muon+ (arXiv 2602.21545): snap the Frobenius norm to sqrt(min(m, n)), the norm of an exactly
+    semi-orthogonal matrix, correcting for the polar iteration's under-convergence."""
+    norm = jnp.maximum(jnp.linalg.norm(o.astype(jnp.float32)), 1e-6)
+    return o * (math.sqrt(min(o.shape)) / norm).astype(o.dtype)
 
 
 class MuonState(NamedTuple):
@@ -85,7 +130,7 @@ def _reduce_axis(shape) -> int:
     return 0 if shape[1] >= shape[0] else 1
 
 
-def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, beta2: float = 0.95,
+def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, beta2: float = 0.9,
          ns_steps: int = 5, ns_dtype=jnp.float32) -> optax.GradientTransformation:
     def init(params):
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -101,7 +146,7 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         def one(g, m, v, p):
             m = m + (1 - mom) * (g - m)  # momentum buffer: lerp towards g
             g = g + mom * (m - g)  # Nesterov: lerp g towards the buffer
-            o = polar_express(g, ns_steps, ns_dtype)
+            o = renormalise(polar_express(g, ns_steps, ns_dtype))
             o, v = _normuon(o, v, beta2)
             lr_p = lr * jnp.sqrt(jnp.maximum(1.0, p.shape[1] / p.shape[0]))
             mask = (o * p) >= 0  # cautious weight decay: only where update and weight agree in sign
@@ -173,22 +218,34 @@ def labels_for(params):
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+    """The optimizer of any stage, built by keyword. The LR defaults are `flaxchat.config.LR`, the
+    one place they live (TrainConfig's flags and the later stages read the same numbers).
+
+    `batch_lr_scale` multiplies the groups nanochat scales with the batch (all but smear/backout,
+    which nanochat keeps at 0.2); `lr_frac` multiplies every group (a later stage's fraction).
+    `weight_decay` is Muon's decay at step 0, already scaled (see `scaled_weight_decay`).
+    """
     optimizer: str = "muon"
-    matrix_lr: float = 0.02
-    embedding_lr: float = 0.3
-    unembedding_lr: float = 0.004
-    scalar_lr: float = 0.5
-    weight_decay: float = 0.2
+    matrix_lr: float = LR["matrix_lr"]
+    embedding_lr: float = LR["embedding_lr"]
+    unembedding_lr: float = LR["unembedding_lr"]
+    scalar_lr: float = LR["scalar_lr"]
+    smear_lr: float = LR["smear_lr"]
+    weight_decay: float = LR["weight_decay"]
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
+    muon_beta2: float = 0.9  # NorMuon's second-moment decay (nanochat setup_optimizer)
     n_embd: int = 768
-    depth: int = 12
+    depth: int = 12  # unused: weight decay is scaled by `scaling` (kept so existing callers still build)
     ns_dtype: str = "float32"
+    batch_lr_scale: float = 1.0
+    lr_frac: float = 1.0
 
 
 def build_optimizer(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTransformation:
     """The full optimizer: a map from group name to transformation, applied by parameter path."""
-    scale = (cfg.n_embd / 768) ** -0.5  # AdamW LRs tuned at d_model 768 (nanochat)
+    width = (cfg.n_embd / 768) ** -0.5  # AdamW LRs tuned at d_model 768 (nanochat)
+    scale = cfg.batch_lr_scale * cfg.lr_frac
 
     def adamw(lr, b1, b2, wd):
         return optax.adamw(learning_rate=lambda c: lr * schedule.lr_multiplier(c), b1=b1, b2=b2,
@@ -196,18 +253,46 @@ def build_optimizer(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTrans
 
     b1, b2 = cfg.adam_beta1, cfg.adam_beta2
     groups: dict[str, optax.GradientTransformation] = {
-        "lm_head": adamw(cfg.unembedding_lr * scale, b1, 0.96, 0.01),
-        "embed": adamw(cfg.embedding_lr * scale, b1, 0.995, 0.001),
-        "value_embed": adamw(cfg.embedding_lr * scale * 0.5, b1, 0.995, 0.01),
-        "resid": adamw(cfg.scalar_lr * 0.01, b1, b2, 0.05),
-        "x0": adamw(cfg.scalar_lr, 0.96, b2, 0.0),  # higher beta1 for the x0 blend (nanochat)
-        "smear": adamw(0.2, b1, b2, 0.0),
+        "lm_head": adamw(cfg.unembedding_lr * width * scale, b1, 0.96, 0.01),
+        "embed": adamw(cfg.embedding_lr * width * scale, b1, 0.995, 0.001),
+        "value_embed": adamw(cfg.embedding_lr * width * 0.5 * scale, b1, 0.995, 0.01),
+        "resid": adamw(cfg.scalar_lr * 0.01 * scale, b1, b2, 0.05),
+        "x0": adamw(cfg.scalar_lr * scale, 0.96, b2, 0.0),  # higher beta1 for the x0 blend (nanochat)
+        "smear": adamw(cfg.smear_lr * cfg.lr_frac, b1, b2, 0.0),
     }
     if cfg.optimizer == "muon":
-        # Weight decay tuned at depth 12, scaled as (12/depth)^2 (nanochat base_train).
-        wd = cfg.weight_decay * (12 / cfg.depth) ** 2
-        groups["matrix"] = muon(cfg.matrix_lr, schedule, weight_decay=wd, ns_dtype=jnp.dtype(cfg.ns_dtype))
+        groups["matrix"] = muon(cfg.matrix_lr * scale, schedule, weight_decay=cfg.weight_decay,
+                                beta2=cfg.muon_beta2, ns_dtype=jnp.dtype(cfg.ns_dtype))
     else:
         # Plain AdamW fallback for the block matrices: a tenth of Muon's LR, standard betas.
-        groups["matrix"] = adamw(cfg.matrix_lr * 0.1, 0.9, 0.95, 0.0)
+        groups["matrix"] = adamw(cfg.matrix_lr * 0.1 * scale, 0.9, 0.95, 0.0)
     return optax.multi_transform(groups, labels_for)
+
+
+# --- nanochat's scaling rules (base_train.py): batch size, LR and weight decay from the horizon ---
+
+B_REF = 2**19  # tokens per step at which nanochat's d12 hyperparameters were tuned
+BATCH_EXPONENT = 0.383  # Power Lines (arXiv 2505.13738): B_opt grows as D^0.383
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    target_tokens: float  # D = tokens-per-parameter x scaling parameters
+    reference_tokens: float  # D_ref, the same for the d12 reference model
+    total_batch_size: int  # B, tokens per step
+    batch_lr_scale: float  # sqrt(B / B_ref)
+    weight_decay: float  # lambda_ref * sqrt(B / B_ref) * D_ref / D
+
+
+def scaling(n_scaling: int, n_scaling_ref: int, param_data_ratio: float, weight_decay: float,
+            total_batch_size: int = -1) -> Scaling:
+    """nanochat's rules: the horizon D, the batch (auto when -1: B_ref (D/D_ref)^0.383 rounded to
+    a power of two), LRs scaled by sqrt(B/B_ref), and weight decay by sqrt(B/B_ref) D_ref/D (the
+    T_epoch rule of arXiv 2405.13698 with that LR scaling)."""
+    D = param_data_ratio * n_scaling
+    D_ref = param_data_ratio * n_scaling_ref
+    B = total_batch_size
+    if B <= 0:
+        B = 2 ** round(math.log2(B_REF * (D / D_ref) ** BATCH_EXPONENT))
+    ratio = B / B_REF
+    return Scaling(D, D_ref, int(B), math.sqrt(ratio), weight_decay * math.sqrt(ratio) * D_ref / D)

@@ -25,7 +25,17 @@ HELP = {
     "depth": "the one dial: layers; width = 64 x depth",
     "steps": "optimizer steps; -1 derives them from --param-data-ratio",
     "device_batch_size": "rows per micro-batch per device",
-    "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: one micro-batch per device",
+    "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: nanochat's automatic "
+                        "size, 2^19 x (D/D_ref)^0.383 rounded to a power of two (D: this run's horizon, D_ref: d12's)",
+    "param_data_ratio": "training tokens per scaling parameter (block matrices + LM head) when --steps is -1",
+    "matrix_lr": "Muon LR at 2^19 tokens/step; every LR is scaled by sqrt(B/2^19) (nanochat)",
+    "embedding_lr": "token-embedding AdamW LR at d_model 768 and 2^19 tokens/step (scaled by width and batch)",
+    "unembedding_lr": "LM-head AdamW LR at d_model 768 and 2^19 tokens/step (scaled by width and batch)",
+    "scalar_lr": "per-layer scalar AdamW LR at 2^19 tokens/step (scaled by batch)",
+    "weight_decay": "Muon's cautious weight decay at d12 and 2^19 tokens/step; scaled by sqrt(B/B_ref) x D_ref/D, "
+                    "cosine to 0",
+    "warmup_steps": "LR warmup steps",
+    "warmdown_ratio": "fraction of the steps over which the LR falls linearly to --final-lr-frac",
     "init_from": "start from these weights (model.pkl, weights.npz or a run folder); ignored when resuming",
     "fresh": "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, not deleted)",
 }
@@ -40,6 +50,12 @@ def parse_args(argv, defaults=None, description=__doc__):
 def main(argv=None, defaults=None) -> int:
     run(parse_args(argv, defaults))
     return 0
+
+
+def check_model_config(tc: TrainConfig) -> None:
+    """The model a run would build, validated before any work (the tokenizer trains later)."""
+    from flaxchat.config import config_for_depth
+    config_for_depth(tc.depth, vocab_size=tc.vocab_size, sequence_len=tc.sequence_len, window_pattern=tc.window_pattern)
 
 
 def run(tc: TrainConfig) -> dict:
@@ -63,14 +79,15 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
     from flaxchat.data.prefetch import Prefetcher
     from flaxchat.data.sources import resolve_source
-    from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import bits_per_byte, eval_step, sample, train_step
 
     t_start = time.time()
+    check_model_config(tc)
     # --- run folder: local or gs://. Every file in it goes through flaxchat.paths (checkpoints
     # through Orbax); a probe write here turns a missing gcsfs, missing credentials or a read-only
     # bucket into one sentence now rather than a traceback at the first save.
@@ -128,7 +145,10 @@ def _run(tc: TrainConfig) -> dict:
 
     # Sizes come from the abstract model (shapes only): the real one is created once, on the mesh.
     abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype))
-    n_params, n_matmul = param_count(abstract), matmul_param_count(abstract)
+    n_params, n_matmul, n_scaling = param_count(abstract), matmul_param_count(abstract), scaling_param_count(abstract)
+    # nanochat's reference: d12 with this vocabulary and context, where the LRs were tuned.
+    ref_cfg = config_for_depth(12, vocab_size=model_cfg.vocab_size, sequence_len=tc.sequence_len)
+    n_scaling_ref = scaling_param_count(nnx.eval_shape(lambda: GPT(ref_cfg, rngs=nnx.Rngs(0))))
     flops_per_token = estimate_flops(abstract)
     print0(f"model: depth {model_cfg.n_layer}, width {model_cfg.n_embd}, {model_cfg.n_head} heads of "
            f"{model_cfg.head_dim}, windows {model_cfg.window_sizes()}, {n_params:,} parameters "
@@ -137,7 +157,14 @@ def _run(tc: TrainConfig) -> dict:
     # --- batch geometry and horizon -------------------------------------------------------------
     T = tc.sequence_len
     rows_per_micro = tc.device_batch_size * compute.device_count
-    total = tc.total_batch_size if tc.total_batch_size > 0 else rows_per_micro * T
+    rule = scaling(n_scaling, n_scaling_ref, tc.param_data_ratio, tc.weight_decay, tc.total_batch_size)
+    total = rule.total_batch_size
+    if tc.total_batch_size <= 0:
+        print0(f"batch: nanochat's automatic size for {rule.target_tokens / 1e6:.1f}M tokens "
+               f"({tc.param_data_ratio} x {n_scaling:,} scaling parameters): {total:,} tokens/step")
+    if total < rows_per_micro * T:
+        raise UserError(f"--total-batch-size {total} is smaller than one micro-batch (device_batch_size x devices x "
+                        f"sequence_len = {rows_per_micro * T}); lower --device-batch-size or raise --total-batch-size.")
     if total % (rows_per_micro * T):
         raise UserError(f"--total-batch-size {total} is not a multiple of device_batch_size x devices x "
                         f"sequence_len = {rows_per_micro * T}.")
@@ -145,15 +172,20 @@ def _run(tc: TrainConfig) -> dict:
     if tc.steps > 0:
         steps = tc.steps
     else:
-        steps = max(1, math.ceil(tc.param_data_ratio * n_matmul / total))
+        steps = max(1, int(rule.target_tokens // total))
     print0(f"batch: {total:,} tokens/step = {grad_accum} micro-batch(es) of {rows_per_micro} x {T}; "
            f"{steps:,} steps = {steps * total / 1e6:.1f}M tokens")
 
     # --- optimizer ------------------------------------------------------------------------------
-    schedule = Schedule(steps, tc.warmup_ratio, tc.warmdown_ratio, tc.final_lr_frac)
+    schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
     ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
-    opt_cfg = OptimConfig(tc.optimizer, tc.matrix_lr, tc.embedding_lr, tc.unembedding_lr, tc.scalar_lr,
-                          tc.weight_decay, tc.adam_beta1, tc.adam_beta2, model_cfg.n_embd, tc.depth, ns_dtype)
+    opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
+                          unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
+                          adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
+                          ns_dtype=ns_dtype, batch_lr_scale=rule.batch_lr_scale if tc.lr_batch_scaling else 1.0)
+    print0(f"recipe: LRs x{opt_cfg.batch_lr_scale:.4f} (sqrt({total:,}/2^19) = {rule.batch_lr_scale:.4f}); "
+           f"Muon weight decay {rule.weight_decay:.4f}; "
+           f"{steps * total / n_scaling:.1f} tokens per scaling parameter")
     layout = sharding.choose(tc.sharding, 4 * n_params, 2.0, sharding.device_memory_bytes())
     compute = compute.with_sharding(layout)
     jax.set_mesh(compute.mesh)  # logical activation constraints inside the model resolve on this mesh

@@ -64,12 +64,131 @@ def test_blockwise_attention_equals_dense_reference(window, T, block):
 
 
 def test_sliding_window_limits_what_a_layer_sees():
-    # With a single short-window layer, a token beyond the window cannot affect the output.
-    cfg = dataclasses.replace(TINY, n_layer=1, window_pattern="S")
-    cfg = dataclasses.replace(cfg, n_layer=2, window_pattern="SL")
+    """Run the model and watch its short-window layer: a token more than a window back cannot
+    change that layer's output; one just inside the window does."""
+    cfg = dataclasses.replace(TINY, n_layer=2, window_pattern="SL")
     assert cfg.window_sizes() == [16, 48]
-    one = dataclasses.replace(TINY, n_layer=1)
-    assert one.window_sizes() == [48]  # the last layer is always full context
+    assert dataclasses.replace(TINY, n_layer=1).window_sizes() == [48]  # the last layer is always full context
+    model = _nonzero_model(cfg)
+    seen = {}
+
+    def attend(layer, q, k, v, window):  # the model's own kernel; only records layer 0's output
+        y = ops.causal_attention(q, k, v, window=window, block=cfg.attn_block)
+        if layer == 0:
+            seen["window"], seen["y"] = window, y
+        return y
+
+    idx = jnp.asarray(np.random.default_rng(2).integers(0, 203, (1, 48)), jnp.int32)
+    model(idx, attend=attend)
+    base, W = seen["y"], seen["window"]
+    assert W == 16
+    p = 5  # smear mixes token p into position p+1, so keys p and p+1 carry the change
+    model(idx.at[0, p].set((idx[0, p] + 11) % 203), attend=attend)
+    changed = seen["y"]
+    np.testing.assert_array_equal(np.asarray(changed[0, p + 1 + W:]), np.asarray(base[0, p + 1 + W:]))
+    assert not np.allclose(changed[0, p + W - 1], base[0, p + W - 1])  # key p is just inside the window
+    np.testing.assert_array_equal(np.asarray(changed[0, :p]), np.asarray(base[0, :p]))
+
+
+# --- gradients: the hand-written VJPs against autodiff of the plain ops -------------------------
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("window,T,block", [(16, 48, 16), (48, 48, 16), (20, 40, 8)])
+def test_attention_vjp_dq_dk_dv_equal_autodiff_fp32_and_bf16(window, T, block):
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (2, T, 4, 8))
+    k = jax.random.normal(ks[1], (2, T, 2, 8))
+    v = jax.random.normal(ks[2], (2, T, 2, 8))
+    ct = jax.random.normal(ks[3], (2, T, 4, 8))  # a random cotangent, not all ones
+
+    def vjp(f, dtype):
+        args = [a.astype(dtype) for a in (q, k, v)]
+        _, pull = jax.vjp(lambda *a: f(*a), *args)
+        return pull(ct.astype(dtype))
+
+    custom = lambda q, k, v: ops.causal_attention(q, k, v, window=window, block=block)
+    plain = lambda q, k, v: ops.reference_attention(q, k, v, window=window)
+    exact = [np.asarray(g, np.float64) for g in vjp(plain, jnp.float32)]
+    for got, want, name in zip(vjp(custom, jnp.float32), exact, "qkv"):
+        assert _rel_err(got, want) < 2e-6, name
+    # bf16: at least about as close to the fp32 gradient as autodiff of the plain ops in bf16.
+    for got, ad, want, name in zip(vjp(custom, jnp.bfloat16), vjp(plain, jnp.bfloat16), exact, "qkv"):
+        assert got.dtype == jnp.bfloat16
+        assert _rel_err(got, want) <= 1.25 * _rel_err(ad, want) + 1e-3, name
+
+
+def test_matmul_vjp_equals_autodiff_fp32_and_bf16():
+    ks = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(ks[0], (2, 24, 64))
+    w = jax.random.normal(ks[1], (64, 96)) * 0.1
+    ct = jax.random.normal(ks[2], (2, 24, 96))
+
+    def vjp(f, dtype):
+        _, pull = jax.vjp(f, x.astype(dtype), w.astype(dtype))
+        return pull(ct.astype(dtype))
+
+    exact = vjp(lambda a, b: a @ b, jnp.float32)
+    for got, want in zip(vjp(ops.matmul, jnp.float32), exact):
+        assert _rel_err(got, want) < 1e-6
+    for got, ad, want in zip(vjp(ops.matmul, jnp.bfloat16), vjp(lambda a, b: a @ b, jnp.bfloat16), exact):
+        assert _rel_err(got, want) <= 1.25 * _rel_err(ad, want) + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
+    """The model's gradient with its custom attention and matmul VJPs against the same model run on
+    plain ops (dense attention through the `attend` hook, `x @ w`), differentiated by autodiff."""
+    from flaxchat.train import token_losses
+    model = _nonzero_model(TINY)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.integers(0, 203, (2, 48)), jnp.int32)
+    y = jnp.asarray(rng.integers(0, 203, (2, 48)), jnp.int32)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def grads(dtype, plain):
+        def loss(p):
+            m = nnx.merge(graphdef, p)
+            m.dtype = dtype
+            if plain:
+                return jnp.mean(_plain_losses(m, x, y))
+            return jnp.mean(token_losses(m, x, y))
+        return jax.grad(loss)(params)
+
+    def _plain_losses(m, x, y):
+        import optax
+        logits = m(x, attend=lambda i, q, k, v, w: ops.reference_attention(q, k, v, w))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    custom = grads(dtype, False)
+    with monkeypatch.context() as mp:
+        mp.setattr(ops, "matmul", lambda a, b: a @ b)
+        plain = grads(dtype, True)
+        exact = grads(jnp.float32, True)
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(t)])
+    if dtype == jnp.float32:
+        assert _rel_err(flat(custom), flat(exact)) < 1e-5
+    else:
+        assert _rel_err(flat(custom), flat(exact)) <= 1.25 * _rel_err(flat(plain), flat(exact)) + 1e-3
+
+
+def test_gates_start_as_nanochats():
+    """Value-embedding gate: 12 input channels, 3·sigmoid, kernel U(0, 0.02); smear gate U(0, 0.02)."""
+    from flaxchat.gpt import VE_GATE_CHANNELS, VE_GATE_SCALE, scaling_param_count
+    cfg = config_for_depth(4, vocab_size=512, sequence_len=64)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    gate = model.blocks[cfg.n_layer - 1].attn.ve_gate.kernel[...]
+    assert (VE_GATE_CHANNELS, VE_GATE_SCALE) == (12, 3.0) and gate.shape == (12, cfg.n_kv_head)
+    smear = model.smear_gate.kernel[...]
+    for w in (gate, smear):
+        assert float(w.min()) >= 0.0 and float(w.max()) <= 0.02 and float(w.std()) > 0.002
+    # the horizon counts the blocks (matrices and gates) and the LM head, as nanochat
+    d, L, V = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
+    gates = sum(12 * cfg.n_kv_head for i in range(L) if cfg.has_value_embed(i))
+    assert scaling_param_count(model) == L * 12 * d * d + gates + d * V
 
 
 def test_gqa_matches_repeated_kv_heads():

@@ -1,5 +1,7 @@
 """Optimizer: parameter groups, schedules inside jit, Muon's orthogonalisation, a falling loss."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,19 +29,156 @@ def test_every_parameter_has_the_nanochat_group():
         param_label("mystery.weight")
 
 
-def test_schedule_shape_and_values_inside_jit():
-    s = Schedule(total_steps=100, warmup_ratio=0.1, warmdown_ratio=0.5, final_lr_frac=0.1)
-    steps = jnp.arange(100)
-    lr = jax.jit(jax.vmap(s.lr_multiplier))(steps)
-    assert float(lr[0]) == pytest.approx(0.1)  # warmup: (0+1)/10
-    assert float(lr[9]) == pytest.approx(1.0)
-    assert float(lr[30]) == pytest.approx(1.0)  # constant
-    assert float(lr[75]) == pytest.approx(0.5 + 0.5 * 0.1)  # halfway down the warmdown
-    assert np.all(np.diff(np.asarray(lr[50:])) <= 1e-7)  # monotone warmdown
-    mom = jax.jit(jax.vmap(s.muon_momentum))(jnp.array([0, 150, 300, 1000]))
+# --- nanochat's published schedules (scripts/base_train.py, scripts/chat_sft.py), written out here --
+
+def nanochat_lr(it, n, warmup=40, warmdown_ratio=0.65, final=0.05):
+    warmdown = round(warmdown_ratio * n)
+    if it < warmup:
+        return (it + 1) / warmup
+    if it <= n - warmdown:
+        return 1.0
+    progress = (n - it) / warmdown
+    return progress * 1.0 + (1 - progress) * final
+
+
+def nanochat_momentum(it, n, warmdown_ratio=0.65):
+    warmdown = round(warmdown_ratio * n)
+    start = n - warmdown
+    if it < 400:
+        frac = it / 400
+        return (1 - frac) * 0.85 + frac * 0.97
+    if it >= start:
+        progress = (it - start) / warmdown
+        return 0.97 * (1 - progress) + 0.90 * progress
+    return 0.97
+
+
+def nanochat_weight_decay(it, n):
+    return 0.5 * (1 + math.cos(math.pi * it / n))
+
+
+@pytest.mark.parametrize("n", [30, 600, 1000, 5000])
+def test_schedules_equal_nanochats_formulas_inside_jit(n):
+    s = Schedule(total_steps=n)  # the defaults are nanochat's: warmup 40, warmdown 0.65, final 0.05
+    steps = sorted({0, 1, 20, 39, 40, 41, n // 3, n // 2, 399, 400, 401, n - round(0.65 * n), n - 1, n} & set(range(n + 1)))
+    at = jnp.asarray(steps)
+    lr = np.asarray(jax.jit(jax.vmap(s.lr_multiplier))(at))
+    mom = np.asarray(jax.jit(jax.vmap(s.muon_momentum))(at))
+    wd = np.asarray(jax.jit(jax.vmap(s.weight_decay_multiplier))(at))
+    np.testing.assert_allclose(lr, [nanochat_lr(i, n) for i in steps], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(mom, [nanochat_momentum(i, n) for i in steps], rtol=1e-6)
+    np.testing.assert_allclose(wd, [nanochat_weight_decay(i, n) for i in steps], rtol=1e-5, atol=1e-6)
+
+
+def test_finetune_schedule_is_chat_sfts():
+    """chat_sft: LR constant for the first half, linear to 0 over the second; momentum 0.85 -> 0.95
+    over 300 steps; no weight decay schedule."""
+    s = Schedule(total_steps=200, warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum="finetune",
+                 weight_decay="constant")
+    lr = np.asarray(jax.vmap(s.lr_multiplier)(jnp.array([0, 100, 150, 199])))
+    np.testing.assert_allclose(lr, [1.0, 1.0, 0.5, 0.01], atol=1e-6)
+    mom = np.asarray(jax.vmap(s.muon_momentum)(jnp.array([0, 150, 300, 1000])))
     np.testing.assert_allclose(mom, [0.85, 0.90, 0.95, 0.95], rtol=1e-6)
-    wd = jax.jit(jax.vmap(s.weight_decay_multiplier))(jnp.array([0, 50, 100]))
-    np.testing.assert_allclose(wd, [1.0, 0.5, 0.0], atol=1e-6)
+    assert float(s.weight_decay_multiplier(150)) == 1.0
+
+
+# --- Muon: one and two steps against nanochat's muon_step_fused, written in numpy (torch layout) --
+
+POLAR = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def nanochat_muon_step(G, P, M, V, momentum, lr, wd, beta2):
+    """nanochat/optim.py muon_step_fused for one matrix in torch's (out, in) layout, float64."""
+    M = M + (1 - momentum) * (G - M)  # momentum_buffer.lerp_(grads, 1 - momentum)
+    X = G + momentum * (M - G)  # grads.lerp_(momentum_buffer, momentum)
+    m, n = X.shape
+    target = np.linalg.norm(X) / m ** 0.5  # MuonEq
+    X = X * (target / np.maximum(np.linalg.norm(X, axis=-1, keepdims=True), 1e-6))
+    X = X / (np.linalg.norm(X) * 1.01 + 1e-6)
+    for a, b, c in POLAR:
+        if m > n:
+            A = X.T @ X
+            X = a * X + X @ (b * A + c * (A @ A))
+        else:
+            A = X @ X.T
+            X = a * X + (b * A + c * (A @ A)) @ X
+    g = X * (min(m, n) ** 0.5 / max(np.linalg.norm(X), 1e-6))  # Muon+
+    red = -1 if m >= n else -2
+    v_mean = np.mean(g * g, axis=red, keepdims=True)
+    size = g.shape[red]
+    v_norm = np.sqrt(np.sum(v_mean) * size)
+    V = V + (1 - beta2) * (v_mean - V)
+    step = 1 / np.sqrt(np.maximum(V, 1e-10))
+    v_norm_new = np.sqrt(np.sum(v_mean * size * step * step))
+    g = g * step * (v_norm / max(v_norm_new, 1e-10))
+    lr = lr * max(1.0, m / n) ** 0.5
+    mask = (g * P) >= 0
+    return P - (lr * g + lr * wd * P * mask), M, V
+
+
+def _low_rank_uneven(rng, m, n):
+    """A nearly rank-2 (out, in) gradient whose rows' norms span five orders of magnitude. (Exactly
+    rank-deficient inputs are left out: the iteration's slope at 0, ~990, turns float32 rounding in
+    the null space into 1e-4-sized differences that no float64 reference can match.)"""
+    G = rng.normal(size=(m, 2)) @ rng.normal(size=(2, n)) + 0.05 * rng.normal(size=(m, n))
+    return G * np.exp(rng.uniform(np.log(1e-3), np.log(1e2), size=(m, 1)))
+
+
+@pytest.mark.parametrize("shape,kind", [((64, 16), "full"), ((16, 64), "full"), ((32, 32), "full"),
+                                        ((48, 96), "low-rank"), ((96, 40), "low-rank"), ((32, 32), "low-rank")])
+def test_muon_update_equals_nanochats_algorithm(shape, kind):
+    from flaxchat.optim import muon
+    rng = np.random.default_rng(sum(shape))
+    m, n = shape  # torch (out, in); our kernel is its transpose (in, out)
+    sched = Schedule(total_steps=100, warmup_steps=0)
+    lr, wd = 0.5, 0.3  # an O(1) update, so that 1e-5 is a tight bound on it
+    tx = muon(lr, sched, weight_decay=wd)
+    P = rng.normal(size=(m, n)) * 0.05
+    params = {"w": jnp.asarray(P.T, jnp.float32)}
+    state = tx.init(params)
+    M, V = np.zeros((m, n)), np.zeros((m, 1) if m >= n else (1, n))
+    for step in range(3):  # the momentum and second-moment buffers take part from step 1 on
+        G = _low_rank_uneven(rng, m, n) if kind == "low-rank" else rng.normal(size=(m, n))
+        updates, state = tx.update({"w": jnp.asarray(G.T, jnp.float32)}, state, params)
+        P_new, M, V = nanochat_muon_step(G, P, M, V, nanochat_momentum(step, 100),
+                                         lr * nanochat_lr(step, 100, warmup=0), wd * nanochat_weight_decay(step, 100), 0.9)
+        np.testing.assert_allclose(np.asarray(updates["w"]).T, P_new - P, atol=1e-5, rtol=0)
+        assert np.abs(P_new - P).max() > 0.05
+        params, P = {"w": jnp.asarray(P_new.T, jnp.float32)}, P_new
+
+
+def test_scaling_follows_nanochats_rules():
+    from flaxchat.optim import B_REF, scaling
+    ref = scaling(100_000_000, 100_000_000, 12, 0.28)  # the reference itself: nothing moves
+    assert (ref.total_batch_size, ref.batch_lr_scale, ref.weight_decay) == (B_REF, 1.0, pytest.approx(0.28))
+    small = scaling(4_000_000, 100_000_000, 12, 0.28)
+    # B_opt = 2^19 (D/D_ref)^0.383, rounded to a power of two: (0.04)^0.383 = 0.291 -> 2^17.
+    assert small.total_batch_size == 2 ** round(math.log2(B_REF * 0.04 ** 0.383)) == 2 ** 17
+    assert small.batch_lr_scale == pytest.approx(0.5)
+    assert small.weight_decay == pytest.approx(0.28 * 0.5 * 25)
+    fixed = scaling(4_000_000, 100_000_000, 12, 0.28, total_batch_size=2048)
+    assert fixed.total_batch_size == 2048 and fixed.batch_lr_scale == pytest.approx((2048 / 2 ** 19) ** 0.5)
+
+
+def test_every_group_follows_the_stage_lr_fraction():
+    """The smear/backout group was fixed at LR 0.2 whatever the stage's fraction: with lr_frac 0.01
+    its first step (Adam: lr x sign) moved smear_lambda by 0.2."""
+    model = GPT(CFG, rngs=nnx.Rngs(0))
+    sched = Schedule(total_steps=10, warmup_steps=0)
+    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, lr_frac=0.01), sched), wrt=nnx.Param)
+    before = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    opt.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    moved = float(jnp.abs(after["smear_lambda"] - before["smear_lambda"]).max())
+    assert moved == pytest.approx(0.2 * 0.01, rel=1e-3)
+    x0 = float(jnp.abs(after["x0_lambdas"] - before["x0_lambdas"]).max())
+    assert x0 == pytest.approx(0.5 * 0.01, rel=1e-3)
 
 
 @pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32)])
@@ -54,7 +193,7 @@ def test_polar_express_orthogonalises(shape):
 def test_lr_schedule_reaches_every_group():
     """At lr multiplier 0 (end of warmdown to 0) no group may move its parameters."""
     model = GPT(CFG, rngs=nnx.Rngs(0))
-    sched = Schedule(total_steps=1, warmup_ratio=0.0, warmdown_ratio=1.0, final_lr_frac=0.0)
+    sched = Schedule(total_steps=1, warmup_steps=0, warmdown_ratio=1.0, final_lr_frac=0.0)
     # step 0 of a 1-step run with full warmdown: multiplier = (1 - 0)/1 = 1; advance the count first.
     opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, depth=2), sched), wrt=nnx.Param)
     params = nnx.state(model, nnx.Param)

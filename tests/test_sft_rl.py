@@ -115,7 +115,8 @@ def test_policy_step_is_train_step_with_weights():
 
     def fresh():
         model = GPT(TINY, rngs=nnx.Rngs(1))
-        cfg = OptimConfig("adamw", 0.01, 0.01, 0.01, 0.01, 0.0, 0.9, 0.95, TINY.n_embd, TINY.n_layer)
+        cfg = OptimConfig(optimizer="adamw", matrix_lr=0.01, embedding_lr=0.01, unembedding_lr=0.01, scalar_lr=0.01,
+                          smear_lr=0.01, weight_decay=0.0, adam_beta1=0.9, n_embd=TINY.n_embd)
         return model, nnx.Optimizer(model, build_optimizer(cfg, Schedule(10)), wrt=nnx.Param)
 
     m1, o1 = fresh()
