@@ -149,16 +149,66 @@ def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None
 
 
 def create_sharded(make_model, make_optimizer, mesh: Mesh):
-    """(model, optimizer) from their constructors, every array placed on `mesh` by the rules.
+    """(model, optimizer) from their constructors, every array born on `mesh` by the rules.
 
     `make_model()` builds the model, `make_optimizer(model)` its optimizer (or None for none).
-    The training stages create their state through this one function, so where the arrays are
-    born is decided here and nowhere else.
+    They are traced once, and the arrays they compute (random init, zeros) are materialised by one
+    `jax.jit` whose outputs carry their placements, so each device computes only its own shards:
+    no process ever holds a whole parameter that the rules split (fsdp). Arrays the constructor
+    set from concrete values (`load_params_into` for --init-from) are trace constants: they are
+    kept out of that program and placed from the host, shard by shard. The training stages create
+    their state through this one function.
     """
-    model = make_model()
-    optimizer = make_optimizer(model) if make_optimizer is not None else None
-    shard_model_and_optimizer(model, optimizer, mesh)
-    return model, optimizer
+    init, side = _sharded_init(make_model, make_optimizer, mesh)
+    computed = init()
+    leaves = [None] * side["n"]
+    for i, x in zip(side["computed"], computed):
+        leaves[i] = x
+    for i, value in side["loaded"].items():
+        leaves[i] = _put(value, side["shardings"][i])
+    return nnx.merge(side["graphdef"], jax.tree.unflatten(side["treedef"], leaves))
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
+def _sharded_init(make_model, make_optimizer, mesh: Mesh):
+    """The jitted initialiser of `create_sharded` (a test compiles it to read its memory analysis)
+    and what the trace found: the graph, each leaf's placement, which leaves are constants."""
+    import jax.extend.core as jex
+
+    side: dict = {}
+
+    def build():
+        model = make_model()
+        optimizer = make_optimizer(model) if make_optimizer is not None else None
+        where = {id(var): s for var, s in placements(model, optimizer, mesh)}
+        graphdef, state = nnx.split((model, optimizer))
+        replicated = NamedSharding(mesh, P())
+        # One sharding per array leaf, in leaf order (a Variable holding an empty subtree, such as
+        # optax's MaskedNode, has no leaf and gets none).
+        per_var = jax.tree.map(lambda var: where.get(id(var), replicated) if _is_array(var.get_value())
+                               else var.get_value(), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        side["shardings"] = jax.tree.leaves(per_var, is_leaf=lambda x: isinstance(x, NamedSharding))
+        side["graphdef"] = graphdef
+        leaves, side["treedef"] = jax.tree.flatten(state)
+        return leaves
+
+    closed = jax.make_jaxpr(build)()
+    jaxpr, consts = closed.jaxpr, closed.consts
+    const_of = {v: c for v, c in zip(jaxpr.constvars, consts)}
+    side["n"] = len(jaxpr.outvars)
+    side["loaded"] = {i: const_of[v] for i, v in enumerate(jaxpr.outvars)
+                      if isinstance(v, jex.Var) and v in const_of}
+    side["computed"] = [i for i in range(side["n"]) if i not in side["loaded"]]
+
+    def init():
+        # Only what is computed: a constant that is merely returned never enters this program.
+        outs = jax.core.eval_jaxpr(jaxpr, consts)
+        return [outs[i] for i in side["computed"]]
+
+    return jax.jit(init, out_shardings=[side["shardings"][i] for i in side["computed"]]), side
 
 
 def shard_abstract(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
