@@ -35,6 +35,8 @@ from pathlib import Path
 import requests
 import websocket
 
+from flaxchat.uploads import repo_files
+
 KAGGLE_BASE = "/k/123/eyJhbGciOi.signed-part_x/proxy/"
 FAKE_JAX = "0.10.1"  # flaxchat pins jax 0.10.2; Kaggle's image brings its own
 # name, version, Requires-Dist: what `pip install` would replace if setup() let it
@@ -90,7 +92,7 @@ def write_fake_accelerator_dists(python: Path) -> None:
     for name, version, requires in FAKE_DISTS:
         info = site_dir / f"{name}-{version}.dist-info"
         info.mkdir(parents=True, exist_ok=True)
-        meta = [f"Metadata-Version: 2.1", f"Name: {name.replace('_', '-')}", f"Version: {version}",
+        meta = ["Metadata-Version: 2.1", f"Name: {name.replace('_', '-')}", f"Version: {version}",
                 *(f"Requires-Dist: {r}" for r in requires)]
         (info / "METADATA").write_text("\n".join(meta) + "\n")
         (info / "INSTALLER").write_text("pip\n")
@@ -229,6 +231,41 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# A training script's stand-in for run_pipeline(command=...): steps, a checkpoint, an exit code.
+STAND_IN = '''
+import argparse, os, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--run-dir")
+p.add_argument("--exit", type=int, default=0)
+p.add_argument("--sleep", type=float, default=0.2)
+a = p.parse_args()
+import flaxchat  # the uploaded package is importable in the job
+for step in range(a.steps):
+    print(f"step {step} loss {1.0 / (step + 1):.3f}", flush=True)
+    time.sleep(a.sleep)
+os.makedirs(os.path.join(a.run_dir, "checkpoints", "3"))  # Orbax's layout; "checkpoints" is special to Jupyter
+with open(os.path.join(a.run_dir, "checkpoints", "3", "model.ckpt"), "wb") as f:
+    f.write(bytes(range(256)) * 40)
+print("done", flush=True)  # the outcome comes from the exit code, never from this line
+sys.exit(a.exit)
+'''
+
+
+def snapshot_repo(dest: Path, repo: Path) -> Path:
+    """A git repository of this repo's tracked files (others edit the working tree while the tests
+    run), with an untracked `.env` and `kaggle.json` next to them, as a user's folder has."""
+    for name in repo_files(repo):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes((repo / name).read_bytes())
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "-C", str(dest)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        subprocess.run(git + args, check=True, timeout=60, capture_output=True)
+    (dest / ".env").write_text("HF_TOKEN=hf_not_for_upload\n")
+    (dest / "kaggle.json").write_text('{"username": "u", "key": "not-for-upload"}\n')
+    return dest
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from flaxchat.remote.kaggle import build_archive, pipeline_argv
 from flaxchat.uploads import repo_files
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jupyter_fixture import KAGGLE_BASE, JupyterServer, make_kernel_venv  # noqa: E402
+from jupyter_fixture import STAND_IN as _STAND_IN, KAGGLE_BASE, JupyterServer, make_kernel_venv, snapshot_repo  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-4f1c"
@@ -374,43 +374,11 @@ def test_cli(server, tmp_path, capsys):
 # --------------------------------------------------------------------------------------------
 # setup, check_devices, run_pipeline, wait, download
 
-_STAND_IN = '''
-import argparse, os, sys, time
-p = argparse.ArgumentParser()
-p.add_argument("--steps", type=int, default=3)
-p.add_argument("--run-dir")
-p.add_argument("--exit", type=int, default=0)
-p.add_argument("--sleep", type=float, default=0.2)
-a = p.parse_args()
-import flaxchat  # the uploaded package is importable in the job
-for step in range(a.steps):
-    print(f"step {step} loss {1.0 / (step + 1):.3f}", flush=True)
-    time.sleep(a.sleep)
-os.makedirs(os.path.join(a.run_dir, "checkpoints", "3"))  # Orbax's layout; "checkpoints" is special to Jupyter
-with open(os.path.join(a.run_dir, "checkpoints", "3", "model.ckpt"), "wb") as f:
-    f.write(bytes(range(256)) * 40)
-print("done", flush=True)  # the outcome comes from the exit code, never from this line
-sys.exit(a.exit)
-'''
-
-
-def snapshot_repo(dest: Path) -> Path:
-    """A git repository of this repo's tracked files (others edit the working tree while the tests
-    run), with an untracked `.env` and `kaggle.json` next to them, as a user's folder has."""
-    for name in repo_files(REPO):
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        (dest / name).write_bytes((REPO / name).read_bytes())
-    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "-C", str(dest)]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
-        subprocess.run(git + args, check=True, timeout=60, capture_output=True)
-    (dest / ".env").write_text("HF_TOKEN=hf_not_for_upload\n")
-    (dest / "kaggle.json").write_text('{"username": "u", "key": "not-for-upload"}\n')
-    return dest
 
 
 @pytest.fixture(scope="module")
 def repo_copy(tmp_path_factory):
-    return snapshot_repo(tmp_path_factory.mktemp("repo"))
+    return snapshot_repo(tmp_path_factory.mktemp("repo"), REPO)
 
 
 @pytest.fixture(scope="module")

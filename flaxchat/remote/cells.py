@@ -69,13 +69,15 @@ def _flaxchat_helper(marker, nonce, rel):
     def cancel_if_asked(lines):
         # A request that timed out in the queue: its cell becomes `pass` (an exception would make the
         # kernel abort the requests queued after it, the notebook's included).
+        # IPython may transform one cell more than once: remember the verdict.
         head = lines[0] if lines else ""
         if head.startswith("__import__('builtins').__dict__.get('_flaxchat_begin'"):
             rid = head.split("(", 3)[-1][1:33]
-            if os.path.exists(os.path.join(folder, rid + ".cancel")):
-                os.remove(os.path.join(folder, rid + ".cancel"))
+            if rid in cancelled or os.path.exists(os.path.join(folder, rid + ".cancel")):
+                cancelled.add(rid)
                 return ["pass\n"]
         return lines
+    cancelled = set()
     ip.input_transformers_post.append(cancel_if_asked)
 
     def begin(rid, env_rel=""):
@@ -116,7 +118,7 @@ def _flaxchat_helper(marker, nonce, rel):
                 except Exception:
                     value = repr(result.result)
             out = {"status": "ok" if err is None else "error", "ename": None if err is None else type(err).__name__,
-                   "evalue": None if err is None else str(err), "result": value}
+                   "evalue": None if err is None else str(err), "result": value, "pid": os.getpid()}
             with open(os.path.join(folder, rid + ".json.tmp"), "w") as f:
                 json.dump(out, f)
             os.replace(os.path.join(folder, rid + ".json.tmp"), os.path.join(folder, rid + ".json"))
@@ -167,6 +169,7 @@ class _Execution:
     died: str | None = None  # the kernel restarted or died under the cell
     rate_limited: bool = False  # the server dropped some of its output (IOPub rate limit)
     reattached: bool = False  # the socket was replaced while it ran: messages may be missing
+    interrupted_by_us: bool = False  # runner.stop() interrupted it (from another thread)
 
     @property
     def done(self) -> bool:
@@ -297,8 +300,36 @@ def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: fl
         raise
     if failure and failure[0] == "RemoteTimeout":
         failure = _after_timeout(conn, rest, ex, timeout, interrupt_on_timeout, files if tracked else None)
+    elif failure is None and tracked and ex.error and ex.error[0] == "KeyboardInterrupt" and not ex.interrupted_by_us:
+        failure = _why_interrupted(conn, rest, ex, files, deadline)  # not by us: a restart, or another client
     conn.current = None
     return _settle(ex.to_result(time.monotonic() - t0, failure), ex, rest, files if tracked else None, deadline)
+
+
+def _why_interrupted(conn: KernelConnection, rest: JupyterREST, ex: _Execution, files: CellFiles,
+                     deadline: float | None) -> tuple[str, str] | None:
+    """Our cell ended with KeyboardInterrupt and we sent no interrupt. A restart from the notebook does
+    that (jupyter_client interrupts before it shuts the kernel down), and the new kernel process says
+    nothing we could hear. So compare the process id in the cell's outcome file with the kernel's
+    now (asked after a moment, so that the old process is gone if it is going)."""
+    try:
+        then = (_read_json(rest, files.path(ex.msg_id, "json"), deadline) or {}).get("pid")
+        time.sleep(1.0)
+        for _ in range(3):
+            left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
+            if left < 1:
+                break
+            probe = execute(conn, rest, "print(__import__('os').getpid())", timeout=left, store_history=False,
+                            on_output=lambda s, t: None, interrupt_on_timeout=False)
+            if probe.ok and probe.stdout.strip().isdigit():
+                if then is not None and int(probe.stdout) != then:
+                    return ("KernelRestarted", "the kernel was restarted while running the code (by the notebook "
+                            "or another client); everything in its memory (variables, imports, models) is lost")
+                break
+    except RemoteError:
+        pass
+    ex.error = ("KeyboardInterrupt", "the kernel was interrupted by another client (the notebook?)", ex.error[2])
+    return None
 
 
 def reattach(conn: KernelConnection, rest: JupyterREST, rid: str, files: CellFiles, *, timeout: float | None = None,
@@ -479,10 +510,10 @@ def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline:
             if files is not None:  # idle, and no record of our cell's end: the kernel process was replaced
                 conn.restarted = True
                 if ex.started:
-                    return ("KernelRestarted", "the kernel restarted while running the code (it is idle again and "
-                            "the cell never ended); everything in its memory is lost")
-                return ("KernelRestarted", "the kernel restarted before it ran the code (nothing of it ran); "
-                        "everything in its memory is lost")
+                    return ("DeadKernel", "the kernel died (or was killed and restarted) while running the code: "
+                            "it is idle again and the cell never ended; everything in its memory is lost")
+                return ("DeadKernel", "the kernel died (or was restarted) before it ran the code, so nothing of it "
+                        "ran; everything in its memory is lost")
             if ex.error is None and ex.result is None:
                 return ("OutputLost", "the kernel is idle again but the end of this code's output never arrived "
                         "(the connection dropped, or the server lost it), so its outcome is unknown")

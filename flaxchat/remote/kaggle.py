@@ -488,6 +488,7 @@ class KaggleRunner(RemoteRunner):
         job = self._current_job()
         current = getattr(self.connection, "current", None)
         if self._running and current is not None and current.started and current.idle_at is None:
+            current.interrupted_by_us = True
             self.rest.interrupt(self.kernel_id)  # our own cell is what the kernel runs: nobody else's
         if job is not None and self.jobs.exit_code(job) is None:
             self.jobs.request_stop(job)
