@@ -104,6 +104,23 @@ def test_setup_report_names_what_is_missing_offline():
     assert "Internet" in kernel_side.OFFLINE_HINT and "Settings" in kernel_side.OFFLINE_HINT
 
 
+@pytest.mark.timeout(30)
+def test_index_reachability(monkeypatch):
+    import http.server
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501s: an answer
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{httpd.server_port}/simple/")
+        assert kernel_side.index_reachable(timeout=5)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{httpd.server_port}/simple/")  # closed now
+    assert not kernel_side.index_reachable(timeout=5)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert not kernel_side.index_reachable(timeout=5)
+
+
 # --------------------------------------------------------------------------------------------
 # The notebook's own cell is left alone, and the runner tells the truth about its own work
 
@@ -124,6 +141,7 @@ def test_run_timeout_behind_the_tabs_cell_is_queued_not_an_interrupt(seeded, tab
     assert not side.exists()  # the cancelled request never ran
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_job_wait_status_stop_with_the_tab_busy_and_the_secret_unseen(seeded, tab, tmp_path):
     runner = seeded["runner"]
@@ -234,6 +252,7 @@ def test_reattach_after_the_reconnect_window(server, seeded, tab):
         proxy.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_frozen_connection_is_detected_and_replaced(server, seeded):
     proxy = Proxy(server.port)

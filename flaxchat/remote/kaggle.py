@@ -398,7 +398,12 @@ class KaggleRunner(RemoteRunner):
         files, skipped = upload_selection(local_repo_path, untracked)
         data, digest = build_archive(local_repo_path, files)
         out = on_output or print_output
-        out("stdout", f"[flaxchat] uploading {len(files)} files ({len(data) / 1024:.0f} KB compressed)"
+        tops: dict[str, int] = {}
+        for f in files:
+            top = f.split("/", 1)[0] + ("/" if "/" in f else "")
+            tops[top] = tops.get(top, 0) + 1
+        out("stdout", f"[flaxchat] uploading {len(files)} tracked files ({len(data) / 1024:.0f} KB compressed): "
+            + ", ".join(f"{t} ({n})" if t.endswith("/") else t for t, n in sorted(tops.items()))
             + (f"; left out as secret-looking: {', '.join(skipped)}" if skipped else "") + "\n")
         want = {"hash": digest, "install": install, "deps": deps, "pip_args": list(pip_args)}
         base = {"files": len(files), "uploaded": files, "skipped": skipped, "hash": digest, "install": install}
@@ -534,8 +539,8 @@ class KaggleRunner(RemoteRunner):
         if resume:
             log = self.rest.model(f"{job.state}/output.log")
             job.offset = (log or {}).get("size") or 0
-        variables = {"PYTHONUNBUFFERED": "1", "FLAXCHAT_RUN_DIR": path,
-                     "FLAXCHAT_PROGRESS_FILE": f"{root}/{job.state}/progress.json", **dict(env or {}), **dict(secrets or {})}
+        # worker.py points FLAXCHAT_PROGRESS_FILE at <state>/progress.json, which status() reads
+        variables = {"PYTHONUNBUFFERED": "1", "FLAXCHAT_RUN_DIR": path, **dict(env or {}), **dict(secrets or {})}
         env_rel = f"{self.workdir}/tmp/env-{uuid.uuid4().hex}.json"
         self.rest.upload(env_rel, json.dumps({"env": variables, "secret_keys": sorted(secrets or {})}).encode())
         t0 = time.monotonic()
