@@ -65,6 +65,8 @@ class GPTConfig:
             bad(f"head_dim ({self.head_dim}) must be even for rotary embeddings.")
         if self.attention not in ATTENTION_KERNELS:
             bad(f"--attention must be one of {', '.join(ATTENTION_KERNELS)} (got {self.attention!r}).")
+        if self.attention == "splash" and self.sequence_len % 128:
+            bad(f"--attention splash needs a sequence length that is a multiple of 128 (got {self.sequence_len}).")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
             bad(f"window pattern {self.window_pattern!r} may only contain the letters S (short) and L (long), e.g. 'SSSL'.")
 
@@ -156,6 +158,7 @@ class TrainConfig:
     seed: int = 0
     fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
     grad_checkpoint: bool = False
+    attention: str = "auto"  # attention kernel: auto (by backend), blockwise, xla, splash, cudnn
     init_from: str = ""  # model.pkl / weights.npz / run folder to start from (ignored when resuming)
     tokenizer_dir: str = ""  # default: <run_dir>/tokenizer, trained on --data if absent
     max_chars_tokenizer: int = 20_000_000
@@ -166,6 +169,10 @@ class TrainConfig:
             raise UserError(f"--optimizer must be 'muon' or 'adamw' (got {self.optimizer!r}).")
         if self.sharding not in ("auto", "dp", "fsdp"):
             raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
+        if self.attention not in ATTENTION_KERNELS:
+            raise UserError(f"--attention must be one of {', '.join(ATTENTION_KERNELS)} (got {self.attention!r}).")
+        if self.attention == "splash" and self.sequence_len % 128:
+            raise UserError(f"--attention splash needs a --sequence-len that is a multiple of 128 (got {self.sequence_len}).")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
         if self.device_batch_size <= 0 or self.sequence_len <= 1:

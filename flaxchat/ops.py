@@ -103,6 +103,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, kernel: Ker
     if kernel.name == "cudnn":
         return cudnn_attention(q, k, v, window)
     if kernel.name == "splash":
+        if q.shape[1] % 128:  # splash tiles the sequence in 128-lane blocks; `auto` may land here
+            return causal_attention(q, k, v, window, kernel.block)
         return splash_attention(q, k, v, window, block=max(128, kernel.block))
     raise ValueError(f"unresolved attention kernel {kernel.name!r}; pass it through resolve_attention")
 

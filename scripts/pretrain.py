@@ -36,6 +36,7 @@ HELP = {
                     "cosine to 0",
     "warmup_steps": "LR warmup steps",
     "warmdown_ratio": "fraction of the steps over which the LR falls linearly to --final-lr-frac",
+    "attention": "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla, splash, cudnn",
     "init_from": "start from these weights (model.pkl, weights.npz or a run folder); ignored when resuming",
     "fresh": "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, not deleted)",
 }
@@ -129,10 +130,12 @@ def _run(tc: TrainConfig) -> dict:
 
     # --- model ---------------------------------------------------------------------------------
     model_cfg = config_for_depth(tc.depth, vocab_size=tokenizer.vocab_size, sequence_len=tc.sequence_len,
-                                 window_pattern=tc.window_pattern, grad_checkpoint=tc.grad_checkpoint)
+                                 window_pattern=tc.window_pattern, grad_checkpoint=tc.grad_checkpoint,
+                                 attention=tc.attention)
     if meta is not None:
         saved = GPTConfig.from_dict(meta["model_config"])
-        if dataclasses.replace(saved, grad_checkpoint=False) != dataclasses.replace(model_cfg, grad_checkpoint=False):
+        how = dict(grad_checkpoint=False, attention="auto")  # how the step runs, not which model
+        if dataclasses.replace(saved, **how) != dataclasses.replace(model_cfg, **how):
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
     def make_model():
