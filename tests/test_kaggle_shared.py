@@ -140,6 +140,22 @@ def test_run_timeout_behind_the_tabs_cell_is_queued_not_an_interrupt(seeded, tab
     assert after.ok and after.stdout == "next\n"
     assert not side.exists()  # the cancelled request never ran
 
+    # stop() from another thread while our run() waits behind the tab's cell: cancelled, not an interrupt
+    cell = tab.execute(TAB_CELL.format(n=12))
+    time.sleep(0.5)
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(res=runner.run(
+        f"open({str(side)!r}, 'w').write('ran')", timeout=30, on_output=quiet)))
+    worker.start()
+    time.sleep(0.5)
+    assert runner.status().state == "running"
+    runner.stop()
+    worker.join(30)
+    assert box["res"].state == "queued" and not box["res"].ok and "did not run" in box["res"].error_value
+    assert tab.wait_idle(cell, 30) and tab.reply(cell)["status"] == "ok" and tab.outputs(cell).count("tab ") == 12
+    assert not side.exists()
+    assert runner.wait() is box["res"]
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)

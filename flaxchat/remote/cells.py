@@ -36,6 +36,7 @@ from flaxchat.remote.jupyter import (KernelConnection, KernelGone, JupyterREST, 
 # the execute_result, because IPython's displayhook of a store_history=False cell tokenizes the
 # last *stored* cell and fails when that one had a syntax error.
 RESULT_MIME = "text/x-flaxchat-result"
+CANCELLED_MIME = "text/x-flaxchat-cancelled"  # what a cell cancelled in the queue shows instead of running
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RATE_NOTICE = ("IOPub data rate exceeded", "IOPub message rate exceeded")
 _GONE_STATES = ("restarting", "dead", "autorestarting", "starting")
@@ -43,6 +44,7 @@ _GONE_STATES = ("restarting", "dead", "autorestarting", "starting")
 _HELPER = r'''
 def _flaxchat_helper(marker, nonce, rel):
     import builtins, json, os, sys, time
+    CANCELLED_MIME = "text/x-flaxchat-cancelled"
     root = getattr(builtins, "_flaxchat_root", None)
     if root is None:  # the server's root folder as the kernel sees it: where the runner put `marker`
         d = os.getcwd()
@@ -75,7 +77,7 @@ def _flaxchat_helper(marker, nonce, rel):
             rid = head.split("(", 3)[-1][1:33]
             if rid in cancelled or os.path.exists(os.path.join(folder, rid + ".cancel")):
                 cancelled.add(rid)
-                return ["pass\n"]
+                return [f"__import__('IPython.display').display.display({{{CANCELLED_MIME!r}: {rid!r}}}, raw=True)\n"]
         return lines
     cancelled = set()
     ip.input_transformers_post.append(cancel_if_asked)
@@ -170,6 +172,7 @@ class _Execution:
     rate_limited: bool = False  # the server dropped some of its output (IOPub rate limit)
     reattached: bool = False  # the socket was replaced while it ran: messages may be missing
     interrupted_by_us: bool = False  # runner.stop() interrupted it (from another thread)
+    cancelled: bool = False  # it reached the kernel after a cancel: nothing of it ran
 
     @property
     def done(self) -> bool:
@@ -200,6 +203,8 @@ class _Execution:
                 self.on_output("stdout", self.result + "\n")
         elif mtype == "display_data" and RESULT_MIME in content.get("data", {}):
             self.result = content["data"][RESULT_MIME]
+        elif mtype == "display_data" and CANCELLED_MIME in content.get("data", {}):
+            self.cancelled = True
         elif mtype == "display_data":
             text = content.get("data", {}).get("text/plain")
             if text is not None:
@@ -229,6 +234,8 @@ class _Execution:
             value = self.reply.get("evalue", "")
         if failure:
             name, value = failure
+        elif self.cancelled:
+            name, value = "Queued", "it was cancelled while it waited behind another cell, and did not run"
         ok = failure is None and name is None and self.reply is not None
         state = "done" if ok else "unknown" if name == "ConnectionLost" else "queued" if name == "Queued" else "failed"
         return RunResult(state=state, ok=ok, stdout="".join(self.stdout), stderr="".join(self.stderr),

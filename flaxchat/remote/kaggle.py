@@ -463,9 +463,9 @@ class KaggleRunner(RemoteRunner):
         code 0). Raises RemoteTimeout after `timeout` s (the job keeps running; wait again)."""
         if self.last_result is not None:
             res = self.last_result
-            if res.state in ("unknown", "queued") and res.request_id:
+            if res.state == "unknown" and res.request_id:  # the connection was lost while it ran: follow it
                 return self.reattach(res.request_id, timeout=timeout, on_output=on_output)
-            return res
+            return res  # finished, or cancelled in the queue (it will not run)
         job = self._current_job()
         if job is None:
             raise RemoteError("there is no work to wait for: start some with run() or run_pipeline().")
@@ -492,9 +492,12 @@ class KaggleRunner(RemoteRunner):
         down, when asked."""
         job = self._current_job()
         current = getattr(self.connection, "current", None)
-        if self._running and current is not None and current.started and current.idle_at is None:
-            current.interrupted_by_us = True
-            self.rest.interrupt(self.kernel_id)  # our own cell is what the kernel runs: nobody else's
+        if self._running and current is not None and current.idle_at is None:
+            if current.started:
+                current.interrupted_by_us = True
+                self.rest.interrupt(self.kernel_id)  # our own cell is what the kernel runs: nobody else's
+            elif self._cells is not None:  # still queued behind another cell: it shall not run at all
+                self.rest.upload(self._cells.path(current.msg_id, "cancel"), b"", timeout=30)
         if job is not None and self.jobs.exit_code(job) is None:
             self.jobs.request_stop(job)
             self.jobs.wait_stopped(job)
