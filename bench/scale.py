@@ -1,6 +1,8 @@
 """What fits before you rent a pod: the d12-d24 presets under dp and fsdp on N fake CPU devices.
 
-    python -m bench.scale                         # d12,d16,d20,d24 on 8 fake devices (~5 min on 2 cores)
+    python -m bench.scale                         # d12-d24 on 8 fake devices, 8 rows of 2048 per device
+    python -m bench.scale --depths 24 --layouts fsdp --devices 8 --seq 2048 --batch 64 --compile-only
+    python -m bench.scale --depths 12,16,20,24,26 --layouts fsdp --device-batch 8,16,32 --compile-only [--grad-checkpoint]
     python -m bench.scale --depths 12 --layouts fsdp --run-steps 12
     python -m bench.scale --depths 2,4 --devices 2 --seq 64 --batch 2     # small enough to run steps
 
@@ -48,9 +50,14 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depths", default="12,16,20,24", help="comma-separated --depth presets (default: %(default)s)")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=256, help="sequence length (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8,
-                   help="rows per step over all devices, one micro-batch; must divide over --devices (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: %(default)s, the seed's)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per step over all devices, one micro-batch; must divide over --devices")
+    p.add_argument("--device-batch", default=None,
+                   help="comma-separated rows per device, one table row each, e.g. 8,16,32 "
+                        "(pretrain's --device-batch-size; default: 8 unless --batch is given)")
+    p.add_argument("--attention", default="auto", help="attention kernel (flaxchat.ops; auto is blockwise on these "
+                   "CPU devices, whose memory, O(T), is what splash and cuDNN also keep) (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s, pretrain's)")
     p.add_argument("--grad-checkpoint", action="store_true", help="rematerialise each block in the backward pass")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -76,11 +83,20 @@ def parse_args(argv):
         raise UserError(f"--depths must name depths of 1 or more (got {args.depths!r}).")
     if set(args.layout_list) - {"dp", "fsdp"} or not args.layout_list:
         raise UserError(f"--layouts takes dp and/or fsdp (got {args.layouts!r}).")
-    if args.devices < 1 or args.seq < 2 or args.batch < 1:
+    if args.device_batch is not None and args.batch is not None:
+        raise UserError("give --batch (rows over all devices) or --device-batch (rows per device), not both.")
+    try:
+        per_device = [int(b) for b in (args.device_batch or "8").split(",") if b.strip()]
+    except ValueError:
+        raise UserError(f"--device-batch takes comma-separated whole numbers, e.g. 8,16,32 (got {args.device_batch!r}).") from None
+    args.batch_list = [args.batch] if args.batch is not None else [b * args.devices for b in per_device]
+    if args.devices < 1 or args.seq < 2 or not args.batch_list or min(args.batch_list) < 1:
         raise UserError("--devices and --batch must be at least 1 and --seq at least 2.")
-    if args.batch % args.devices:
-        raise UserError(f"--batch {args.batch} does not split over {args.devices} devices; use a multiple of "
-                        f"{args.devices} (every device takes the same number of rows).")
+    for batch in args.batch_list:
+        if batch % args.devices:
+            raise UserError(f"--batch {batch} does not split over {args.devices} devices; use a multiple of "
+                            f"{args.devices} (every device takes the same number of rows).")
+    args.batch = args.batch_list[0]
     if args.compile_only:
         args.run_steps = "none"
     if args.run_steps not in ("auto", "all", "none"):
@@ -126,7 +142,7 @@ def build(cfg, dtype, mesh, abstract: bool):
     from flaxchat.gpt import GPT
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
 
-    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, depth=cfg.n_layer), Schedule(1000))
+    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd), Schedule(1000))
 
     def make():
         model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype)
@@ -135,10 +151,9 @@ def build(cfg, dtype, mesh, abstract: bool):
     if abstract:
         model, opt = nnx.eval_shape(make)
         sharding.shard_abstract(model, opt, mesh)
-    else:
-        model, opt = make()
-        sharding.shard_model_and_optimizer(model, opt, mesh)
-    return model, opt
+        return model, opt
+    return sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype),
+                                   lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), mesh)
 
 
 def pure_step(graphdef):
@@ -222,7 +237,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         flops = float((cost or {}).get("flops", 0.0)) * args.devices  # every fake device runs on these cores
         est_s = flops / measured_matmul_peak()
-        need = (row["peak_b"] + param_dev) * args.devices  # + the copy made at init, before placing
+        need = row["peak_b"] * args.devices  # state is born sharded: no extra copy at init
         if need > 0.5 * ram:
             row["why"] = f"needs {need / 2**30:.0f}G"
             return row
@@ -254,13 +269,21 @@ def _mib(b) -> str:
     return f"{b / 2**20:,.0f}" if b >= 2**20 else f"{b / 2**20:.2f}"
 
 
-def format_row(depth: int, layout: str, r: dict) -> str:
+# HBM per chip (Google's TPU pages; an 80 GB GPU): does the peak per device fit?
+CHIPS = (("v5e", 16 * 2**30), ("v4", 32 * 2**30), ("v6e", 32 * 2**30), ("v5p", 95 * 2**30), ("80G", 80 * 10**9))
+
+
+def fits(peak_b: float) -> str:
+    return " ".join(f"{'y' if peak_b <= cap else '-':>3}" for _, cap in CHIPS)
+
+
+def format_row(depth: int, layout: str, r: dict, rows_per_device: int) -> str:
     fit = "~" if r["fit"] else ""  # extrapolated from 4- and 8-layer compiles
     step = f"{r['step_s']:.2f}s" if r["step_s"] is not None else (f"({r['why']})" if r["why"] else "-")
     mem = [f"{fit}{_mib(r[k])}" for k in ("args_b", "temp_b", "out_b", "peak_b")]
     return (f"{'d' + str(depth):>5} {layout:6} {r['params'] / 1e6:>7.1f}M {_mib(r['param_dev']):>9} "
             f"{_mib(r['opt_dev']):>8} {mem[0]:>7} {mem[1]:>7} {mem[2]:>7} {mem[3]:>8} "
-            f"{r['compile_s']:>7.1f}s{'*' if r['cheap'] else ' '} {step:>9}")
+            f"{r['compile_s']:>7.1f}s{'*' if r['cheap'] else ' '} {step:>9} {rows_per_device:>4} {fits(r['peak_b'])}")
 
 
 def main(argv=None) -> int:
@@ -269,27 +292,36 @@ def main(argv=None) -> int:
     import jax
 
     from flaxchat.config import config_for_depth
+    from flaxchat.ops import resolve_attention
 
     t0 = time.perf_counter()
     print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} devices "
-          f"on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; a step of {args.batch} x "
-          f"{args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state fp32", flush=True)
+          f"on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; rows of {args.seq} tokens, "
+          f"vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state fp32, attention "
+          f"{resolve_attention(args.attention).name}{', --grad-checkpoint' if args.grad_checkpoint else ''}", flush=True)
     head = (f"{'depth':>5} {'layout':6} {'params':>8} {'param/dev':>9} {'opt/dev':>8} {'args':>7} {'temp':>7} "
-            f"{'out':>7} {'peak/dev':>8} {'compile':>8} {'step':>9}")
+            f"{'out':>7} {'peak/dev':>8} {'compile':>8} {'step':>9} {'rows':>4} "
+            + " ".join(f"{name:>3}" for name, _ in CHIPS))
     print("MiB per device. param/dev, opt/dev: from the arrays' shardings; args/temp/out/peak: XLA's memory "
-          "analysis of the compiled train step")
+          "analysis of the compiled train step; rows: per device; v5e..80G: whether peak/dev fits that chip's "
+          "memory (16, 32, 32, 95 GiB, 80 GB)")
     print(head)
     print("-" * len(head), flush=True)
-    rows = {}
+    rows, all_rows = {}, []
     for depth in args.depth_list:
-        cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq, grad_checkpoint=args.grad_checkpoint)
+        cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq, grad_checkpoint=args.grad_checkpoint,
+                               attention=args.attention)
         if args.run_steps in ("none", "auto", "all"):
             run = {"none": "no", "auto": "auto", "all": "yes"}[args.run_steps]
         else:
             run = "yes" if depth in args.run_steps else "no"
-        for layout in args.layout_list:
-            rows[(depth, layout)] = r = measure(cfg, layout, args, run)
-            print(format_row(depth, layout, r), flush=True)
+        for batch in args.batch_list:
+            args.batch = batch
+            for layout in args.layout_list:
+                r = measure(cfg, layout, args, run)
+                rows.setdefault((depth, layout), r)
+                all_rows.append((depth, layout, batch // args.devices, r))
+                print(format_row(depth, layout, r, batch // args.devices), flush=True)
     print("-" * len(head))
     notes = []
     if any(r["cheap"] for r in rows.values()):
@@ -310,6 +342,12 @@ def main(argv=None) -> int:
             print(f"d{depth}: fsdp holds {fs['param_dev'] / dp['param_dev']:.3f} of dp's parameter bytes per device "
                   f"(1/{args.devices} = {1 / args.devices:.3f}); peak per device {_mib(fs['peak_b'])} MiB vs "
                   f"{_mib(dp['peak_b'])} MiB under dp")
+    if len(args.batch_list) > 1:
+        for depth in args.depth_list:
+            for layout in args.layout_list:
+                ok = [b for d, l, b, r in all_rows if d == depth and l == layout and r["peak_b"] <= 32 * 2**30]
+                print(f"d{depth} {layout}: " + (f"up to {max(ok)} rows per device fit a 32 GiB chip (v4, v6e)" if ok
+                      else "no measured device batch fits a 32 GiB chip (v4, v6e)"))
     print(f"bench.scale took {time.perf_counter() - t0:.0f}s")
     return 0
 

@@ -59,3 +59,18 @@ def test_help_and_bad_flags():
     r = _scale("--depths", "twelve", timeout=60)
     assert r.returncode == 2 and "--depths takes comma-separated whole numbers" in r.stderr
     assert "Traceback" not in r.stderr
+    r = _scale("--batch", "4", "--device-batch", "2", timeout=60)
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_device_batches_and_what_fits():
+    """One row per --device-batch value, each with its rows per device and a fits column per chip."""
+    r = _scale("--depths", "2", "--devices", "2", "--seq", "64", "--device-batch", "1,2", "--layouts", "fsdp",
+               "--compile-only")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [l for l in r.stdout.splitlines() if re.match(r"\s+d2 fsdp", l)]
+    assert [l.split()[-6] for l in lines] == ["1", "2"], r.stdout
+    assert all(l.split()[-5:] == ["y"] * 5 for l in lines), r.stdout  # ~25 MiB fits every chip
+    assert "rows v5e  v4 v6e v5p 80G" in r.stdout
+    assert "d2 fsdp: up to 2 rows per device fit a 32 GiB chip (v4, v6e)" in r.stdout
