@@ -1,5 +1,6 @@
 """gcloud command builders (checked on their output), the executor (once, against the emulator), and
-the emulator's fidelity to the gcloud TPU commands the launcher uses."""
+the emulator's fidelity to the gcloud commands the launcher uses, including the trouble Google makes
+(a Python 3.10 image, stockouts, queued resources that fail, gs:// that outlives a deleted VM)."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from flaxchat.cloud import emulator
+from flaxchat.cloud.rehearsal import emulator
 from flaxchat.cloud import gcloud as g
 from flaxchat.cloud.worker import _pid_alive  # zombie-aware
 from flaxchat.errors import UserError
@@ -261,7 +262,79 @@ def test_injected_faults_and_unreachable_workers(emu):
 
 
 def test_admin_cli_help_and_list(emu):
-    out = subprocess.run([sys.executable, "-m", "flaxchat.cloud.emulator", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "flaxchat.cloud.rehearsal.emulator", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "preempt" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "flaxchat.cloud.emulator", "list"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "flaxchat.cloud.rehearsal.emulator", "list"], capture_output=True, text=True)
     assert out.returncode == 0
+
+
+# --- the unkind parts: what a real pod does to a launcher ----------------------------------------------
+
+
+def _ssh(cmd, worker="0", name="t", zone=Z):
+    return gc("compute", "tpus", "tpu-vm", "ssh", name, f"--project={P}", f"--zone={zone}", f"--worker={worker}",
+              f"--command={cmd}")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_is_a_stock_image_python_310_no_site_packages_cpu_devices(emu):
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-16",
+       "--version=v", check=True)
+    out = _ssh("python3 --version; python3 -m pip install -q -e . ; echo pip=$?; python3 -c 'import jax' 2>&1 "
+               "| tail -1; python -V; echo py=$?; echo $JAX_PLATFORMS $XLA_FLAGS; ls _dev")
+    assert "Python 3.10.12" in out.stdout and "pip=1" in out.stdout and "py=127" in out.stdout
+    assert "ERROR: Package 'flaxchat' requires a different Python: 3.10.12 not in '>=3.11'" in out.stderr
+    assert "No module named 'jax'" in out.stdout  # nothing of this machine's site-packages
+    assert "cpu --xla_force_host_platform_device_count=4" in out.stdout and "accel0" in out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_stockout_in_googles_words_per_zone_and_a_failed_queued_resource(emu):
+    emulator.stockout(Z, times=2)
+    create = ["compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", "--accelerator-type=v4-8", "--version=v"]
+    for _ in range(2):
+        proc = gc(*create, f"--zone={Z}")
+        assert proc.returncode == 1 and f'There is no more capacity in the zone "{Z}"' in proc.stderr
+        assert proc.stderr.startswith("ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED")
+    assert g.is_capacity_error(g.GcloudError(g.one_line(proc.stderr)))
+    assert gc(*create, f"--zone={Z}").returncode == 0  # the third try gets one
+    z = "us-east5-b"
+    emulator.fail_next("queued-resources.provision", "Insufficient capacity for spot v5litepod-16 in zone us-east5-b.")
+    gc("compute", "tpus", "queued-resources", "create", "q", f"--project={P}", f"--zone={z}",
+       "--accelerator-type=v5litepod-16", "--runtime-version=v2-alpha-tpuv5-lite", "--node-id=n", "--spot", check=True)
+    qr = json.loads(gc("compute", "tpus", "queued-resources", "describe", "q", f"--project={P}", f"--zone={z}",
+                       "--format=json", check=True).stdout)
+    assert g.qr_state(qr) == ("FAILED", "Insufficient capacity for spot v5litepod-16 in zone us-east5-b.")
+    assert gc("compute", "tpus", "tpu-vm", "describe", "n", f"--project={P}", f"--zone={z}").returncode == 1
+
+
+@pytest.mark.timeout(60)
+def test_ssh_fails_n_times_while_ready_then_answers(emu):
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-8",
+       "--version=v", check=True)
+    emulator.fail_next("tpu-vm.ssh", "[/usr/bin/ssh] exited with return code [255].", code=255, times=2)
+    assert [_ssh("echo ok").returncode for _ in range(3)] == [255, 255, 0]
+
+
+@pytest.mark.timeout(60)
+def test_gs_is_a_folder_beside_the_vms_and_gcloud_storage_lists_it(emu):
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-8",
+       "--version=v", check=True)
+    # A worker writes through fsspec's gs:// (what flaxchat.paths and Orbax's epath use) ...
+    code = ("import fsspec; fs = fsspec.filesystem('gs'); "
+            "[fs.pipe(f'gs://bk/run/checkpoints/{s}/{f}', b'x') for s, f in "
+            "((10, 'commit_success.txt'), (10, 'meta'), (20, 'meta'))]")
+    out = _ssh(f"{sys.executable} -c \"{code}\"")
+    assert out.returncode == 0, out.stderr
+    # ... into the bucket folder, outside every VM, so deleting the VM keeps it.
+    gc("compute", "tpus", "tpu-vm", "delete", "t", f"--project={P}", f"--zone={Z}", "--quiet", check=True)
+    root = emulator.buckets_root()
+    assert os.path.exists(os.path.join(root, "bk", "run", "checkpoints", "10", "commit_success.txt"))
+    ls = gc("storage", "ls", "gs://bk/run/checkpoints/*/commit_success.txt", check=True).stdout.split()
+    assert ls == ["gs://bk/run/checkpoints/10/commit_success.txt"]  # step 20 never committed
+    assert gc("storage", "ls", "gs://bk/run/checkpoints/", check=True).stdout.split() == [
+        "gs://bk/run/checkpoints/10/", "gs://bk/run/checkpoints/20/"]
+    miss = gc("storage", "ls", "gs://bk/nothing")
+    assert miss.returncode == 1 and "One or more URLs matched no objects." in miss.stderr
+    gc("storage", "cp", "--recursive", "gs://bk/run/checkpoints/10", str(emu), check=True)
+    assert (emu / "10" / "meta").read_bytes() == b"x"

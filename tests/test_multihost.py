@@ -20,6 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60  # enough for the pod rehearsal to be preempted mid-training, after its first checkpoint
 TINY = ["--depth=1", f"--steps={STEPS}", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2",
+        "--total-batch-size=128",  # 2 x 32 tokens per device on 2 devices: one micro-batch (the automatic size, 32K, is 256)
         "--eval-every=0", "--sample-every=0", "--save-every=10", "--log-every=10", "--max-chars-tokenizer=20000",
         "--num-samples=1", "--seed=3"]
 # The driver runs scripts.pretrain unchanged, but every process also prints each step's loss at full

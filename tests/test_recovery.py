@@ -12,15 +12,16 @@ RUN = "r1"
 
 
 def alive(step=5, age=1.0):
-    return WorkerObs(state="running", heartbeat_age=age, step=step, run_id=RUN)
+    return WorkerObs(state="running", progress_age=age, step=step, run_id=RUN)
 
 
 def exited(code, step=5):
     return WorkerObs(state="exited", exit_code=code, step=step, run_id=RUN)
 
 
-def obs(*workers, vm="READY", complete=False, expects_marker=True, run_id=RUN):
-    return Observation(vm, workers, complete, run_id, expects_marker)
+def obs(*workers, vm="READY", complete=False, expects_marker=True, run_id=RUN, now=0.0, health="HEALTHY",
+        qr=None):
+    return Observation(vm, workers, complete, run_id, expects_marker, health=health, qr_state=qr, now=now)
 
 
 def act(o, c=Counters()):
@@ -97,17 +98,74 @@ def test_some_finished_others_running_keeps_watching():
     assert act(obs(exited(0), alive())).action is Action.WATCH
 
 
-def test_silent_past_deadline_is_hung():
-    d = act(obs(alive(age=5), alive(age=601)))
+def test_a_step_that_stops_moving_past_the_deadline_is_hung():
+    """Liveness is the step (from each process's progress file) moving on the recovery's clock."""
+    c = next_counters(Counters(), obs(alive(5), alive(5), now=0.0), Decision(Action.WATCH, ""))
+    c = next_counters(c, obs(alive(9), alive(5), now=300.0), Decision(Action.WATCH, ""))
+    assert act(obs(alive(12), alive(5), now=599.0), c).action is Action.WATCH
+    d = act(obs(alive(14), alive(5), now=601.0), c)
     assert d.action is Action.RESTART and "hung" in d.reason and "[1]" in d.reason
+    # The worker's own clock (progress_age) does not decide: a skewed VM clock is harmless.
+    assert act(obs(alive(14, age=10_000), alive(6, age=10_000), now=601.0), c).action is Action.WATCH
 
 
-def test_unreachable_worker_waits_then_recreates():
+def test_two_simulated_hours_where_only_process_0_prints_then_one_hang_is_one_restart():
+    """The seed restarted a healthy pod every 30 min: its heartbeat was process 0's printed lines."""
+    clock, logs, state = FakeClock(), [], {"run": "r1", "frozen_at": None, "restarts": 0}
+
+    def observe():
+        t = clock.t
+        step = int(t // 60)
+        w1 = step if state["frozen_at"] is None or state["run"] != "r1" else state["frozen_at"]
+        if t >= 2 * 3600 and state["frozen_at"] is None:
+            state["frozen_at"] = w1 = step
+        done = state["run"] == "r2" and t >= 5 * 3600
+        # Worker 1 never prints (no last line), only its progress file moves.
+        return obs(WorkerObs(state="running", step=step, run_id=state["run"]),
+                   WorkerObs(state="running", step=w1, run_id=state["run"]), run_id=state["run"], now=t,
+                   complete=done)
+
+    class Pod:
+        def start(self):
+            raise AssertionError("already running")
+
+        def restart(self):
+            state["restarts"] += 1
+            state["run"] = "r2"
+
+        def recreate(self):
+            raise AssertionError("nothing to recreate")
+    policy = Policy(poll_s=60, heartbeat_deadline_s=1800, backoff_s=30)
+    d = recover_loop(observe, Pod(), policy, clock=clock, sleep=clock.sleep, log=logs.append)
+    assert d.action is Action.DONE and state["restarts"] == 1, logs
+    restart = [x for x in logs if "restart:" in x]
+    assert len(restart) == 1 and "worker(s) [1] alive but no training step for over 1800 s" in restart[0]
+    assert float(restart[0].split("+")[1].split("s]")[0]) >= 2 * 3600 + 1800  # not before 2 h + the deadline
+
+
+def test_ssh_trouble_on_a_ready_vm_waits_with_backoff_and_never_recreates():
     o = obs(alive(), WorkerObs(reachable=False))
-    assert act(o, Counters(unreachable_polls=0)).action is Action.WAIT
+    delays = []
+    c = Counters()
+    for _ in range(8):
+        d = decide(o, c, P)
+        assert d.action is Action.WAIT and "never deleted for ssh trouble" in d.reason
+        delays.append(d.delay)
+        c = next_counters(c, o, d)
+    assert delays[:3] == [60, 120, 240] and max(delays) == P.max_ssh_backoff_s
+
+
+def test_unreachable_and_google_says_unhealthy_recreates():
+    o = obs(alive(), WorkerObs(reachable=False), health="UNHEALTHY_MAINTENANCE")
     assert act(o, Counters(unreachable_polls=1)).action is Action.WAIT
     d = act(o, Counters(unreachable_polls=2))
-    assert d.action is Action.RECREATE and "did not answer" in d.reason
+    assert d.action is Action.RECREATE and "UNHEALTHY_MAINTENANCE" in d.reason
+
+
+@pytest.mark.parametrize("qr", ["FAILED", "SUSPENDED"])
+def test_a_queued_resource_gone_bad_is_recreated(qr):
+    d = act(obs(alive(), alive(), qr=qr))
+    assert d.action is Action.RECREATE and f"queued resource is {qr}" in d.reason
 
 
 def test_counters_track_restarts_and_unreachable_streaks():
@@ -217,3 +275,12 @@ def test_loop_survives_transient_observe_errors_but_not_endless_ones():
         raise RemoteError("gcloud said: PERMISSION_DENIED")
     d = recover_loop(broken, FakePod([obs()]), P, clock=clock, sleep=clock.sleep, log=lambda s: None)
     assert d.action is Action.GIVE_UP and "PERMISSION_DENIED" in d.reason
+
+
+def test_health_names_a_worker_without_progress_and_one_that_does_not_answer():
+    from flaxchat.cloud.recovery import health_problems
+    workers = [{"worker": 0, "state": "running", "progress_age": 12.0},
+               {"worker": 1, "state": "running", "progress_age": 2100.0},
+               {"worker": 2, "reachable": False}]
+    assert health_problems("READY", workers, 1800.0) == [
+        "worker 1 has finished no training step for 35m (hung?)", "worker 2 does not answer ssh"]

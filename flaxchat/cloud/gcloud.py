@@ -2,8 +2,8 @@
 
 Every builder is a pure function that returns an argv list (`["gcloud", "compute", ...]`) or, for
 what runs on the workers, one shell string. Nothing here looks at the network or the clock, so the
-tests check the builders on their output, and the executor once against the local emulator
-(`flaxchat.cloud.emulator`), which answers the same commands with real processes.
+tests check the builders on their output, and the executor against the local emulator
+(`flaxchat.cloud.rehearsal.emulator`), which answers the same commands with real processes.
 
 Secrets never go into any of these: they travel in an env file (see `worker_env`) that is copied
 with `scp` and read by `flaxchat/cloud/worker.py` on each worker.
@@ -35,6 +35,11 @@ REMOTE_REPO = "flaxchat"
 REMOTE_STATE = ".flaxchat"
 REMOTE_ENV_FILE = f"{REMOTE_STATE}/run.env"
 REMOTE_TARBALL = "flaxchat-src.tar.gz"
+# Google's TPU images ship Python 3.10 (v4 tpu-ubuntu2204-base, v5e/v6e v2-alpha-*); flaxchat needs
+# >= 3.11, so setup makes a venv of its own (uv, a pinned Python) and every run goes through it.
+REMOTE_VENV = f"{REMOTE_STATE}/venv"
+REMOTE_BOOTSTRAP = f"{REMOTE_STATE}/bootstrap"  # where uv is pip-installed when the image has none
+PYTHON_VERSION = "3.11"
 WORKER_PY = f"{REMOTE_REPO}/flaxchat/cloud/worker.py"
 COORDINATOR_PORT = 8476  # the port JAX's own TPU examples use for the coordinator
 
@@ -104,8 +109,8 @@ def qr_delete(project: str, zone: str, qr_name: str) -> list[str]:
             *_where(project, zone), "--force", "--quiet"]
 
 
-def storage_ls(url: str) -> list[str]:
-    return ["gcloud", "storage", "ls", url]
+def storage_ls(*urls: str) -> list[str]:
+    return ["gcloud", "storage", "ls", *urls]
 
 
 def storage_cp(src: str, dest: str) -> list[str]:
@@ -121,9 +126,13 @@ def format_command(argv: Sequence[str]) -> str:
 
 
 def _worker_py(*args: str) -> str:
-    # -S: worker.py uses only the standard library (except `probe`), so skip site-packages start-up.
-    flags = [] if args[:1] == ("probe",) else ["-S"]
-    return shlex.join(["python3", *flags, WORKER_PY, *args])
+    # The image's python3 (3.10 is fine: worker.py is standard library only); -S skips site-packages.
+    return shlex.join(["python3", "-S", WORKER_PY, *args])
+
+
+def ssh_check_command() -> str:
+    """Answers at once on every worker that accepts ssh (a new VM is READY before its sshd is)."""
+    return "true"
 
 
 def unpack_command() -> str:
@@ -137,15 +146,50 @@ def setup_marker_command() -> str:
     return f"cat {REMOTE_STATE}/setup.done 2>/dev/null; true"
 
 
+def default_install(extras: Sequence[str] = ("tpu",)) -> str:
+    """A venv with a pinned Python (uv fetches one if the image has none) and the project in it,
+    with its extras (`tpu`: jax[tpu] at the pinned jax; `gcs`: gcsfs, for a gs:// run folder)."""
+    spec = f".[{','.join(extras)}]" if extras else "."
+    return (f'"$UV" venv --python {PYTHON_VERSION} --allow-existing "$FLAXCHAT_VENV" && '
+            f'"$UV" pip install --python "$FLAXCHAT_VENV/bin/python" -e {shlex.quote(spec)}')
+
+
 def install_command(content_hash: str, install: str) -> str:
-    """Install the project, then record the hash so a later setup with the same tree is skipped."""
-    return (f"mkdir -p {REMOTE_STATE} && (cd {REMOTE_REPO} && {install}) "
-            f"&& echo {shlex.quote(content_hash)} > {REMOTE_STATE}/setup.done")
+    """Set up one worker: uv (pip-installed into ~/.flaxchat/bootstrap if the image has none), then
+    `install` in the repo folder with $UV and $FLAXCHAT_VENV set, then a check that the venv's python
+    is >= 3.11 and imports flaxchat; only then the hash is recorded (a later setup of the same tree
+    is skipped; a half-finished one is not recorded, so it runs again)."""
+    # Run from / so that ~/flaxchat (the repo folder) is not taken for the package.
+    check = "import sys, flaxchat; sys.exit(0 if sys.version_info >= (3, 11) and flaxchat.__file__ else 3)"
+    return "\n".join([
+        "set -e",
+        f"mkdir -p {REMOTE_STATE}",
+        f"rm -f {REMOTE_STATE}/setup.done",
+        f'export FLAXCHAT_VENV="$HOME/{REMOTE_VENV}"',
+        'UV="$(command -v uv || true)"',
+        'if [ -z "$UV" ]; then',
+        f'  UV="$HOME/{REMOTE_BOOTSTRAP}/bin/uv"',
+        '  if [ ! -x "$UV" ]; then',
+        f'    echo "flaxchat: this image has no uv; installing it into ~/{REMOTE_BOOTSTRAP}"',
+        f'    python3 -m pip install -q --target "$HOME/{REMOTE_BOOTSTRAP}" uv',
+        "  fi",
+        "fi",
+        "export UV",
+        f"(cd {REMOTE_REPO} && {install})",
+        f'if ! (cd / && "$FLAXCHAT_VENV/bin/python" -c {shlex.quote(check)}); then',
+        f'  echo "flaxchat: the install left no Python >= {PYTHON_VERSION} that imports flaxchat in '
+        f'~/{REMOTE_VENV}" >&2',
+        "  exit 3",
+        "fi",
+        f"echo {shlex.quote(content_hash)} > {REMOTE_STATE}/setup.done",
+    ])
 
 
 def start_command(run_id: str, command: str, marker: str | None = None) -> str:
-    """Start `command` detached under worker.py (pid, log, heartbeat, exit code; env from the file)."""
-    args = ["start", "--run-id", run_id, "--env-file", REMOTE_ENV_FILE, "--cwd", REMOTE_REPO, "--replace"]
+    """Start `command` detached under worker.py (pid, log, progress, exit code; env from the file),
+    with the setup's venv first on its PATH."""
+    args = ["start", "--run-id", run_id, "--env-file", REMOTE_ENV_FILE, "--cwd", REMOTE_REPO, "--replace",
+            "--venv", REMOTE_VENV]
     if marker:
         args += ["--marker", marker]
     return f"chmod 600 {REMOTE_ENV_FILE} && " + _worker_py(*args, "--", command)
@@ -165,7 +209,9 @@ def logs_command(follow: bool = False, lines: int = 50, prefix: bool = False) ->
 
 
 def probe_command() -> str:
-    return _worker_py("probe", "--env-file", REMOTE_ENV_FILE, "--cwd", REMOTE_REPO)
+    """What JAX sees: through the venv's python (the image's own has no JAX)."""
+    return shlex.join([f"{REMOTE_VENV}/bin/python", WORKER_PY, "probe", "--env-file", REMOTE_ENV_FILE,
+                       "--cwd", REMOTE_REPO])
 
 
 def checkpoints_command(checkpoint_dir: str) -> str:
@@ -260,6 +306,34 @@ def one_line(stderr: str, limit: int = 400) -> str:
 
 def is_not_found(err: GcloudError) -> bool:
     return "NOT_FOUND" in str(err) or "was not found" in str(err)
+
+
+# How Google words "no TPUs to give right now": a stockout (code 8 / RESOURCE_EXHAUSTED), a quota
+# that is used up, or a spot request it cannot place. Worth retrying, later or in another zone.
+CAPACITY_PATTERNS = ("no more capacity", "resource_exhausted", "quota limit", "quota exceeded",
+                     "insufficient capacity", "does not have enough resources", "stockout",
+                     "currently unavailable", "not enough resources")
+
+
+def is_capacity_error(err: Exception) -> bool:
+    text = str(err).lower() + " " + str(getattr(err, "stderr", "")).lower()
+    return any(p in text for p in CAPACITY_PATTERNS)
+
+
+def is_unavailable_in_zone(err: Exception) -> bool:
+    """The zone does not offer this accelerator at all (not a stockout: retrying there is pointless)."""
+    text = str(err)
+    return "not available in zone" in text or ("NOT_FOUND" in text and "ccelerator" in text)
+
+
+def qr_state(desc: dict) -> tuple[str, str]:
+    """A queued resource's state (ACCEPTED, PROVISIONING, ACTIVE, FAILED, SUSPENDED, ...) and Google's
+    message for a FAILED one (`state.failedData.error.message`)."""
+    st = desc.get("state") or {}
+    if isinstance(st, str):
+        return st, ""
+    error = ((st.get("failedData") or {}).get("error") or {})
+    return st.get("state", "STATE_UNSPECIFIED"), error.get("message", "")
 
 
 Redactor = Callable[[str], str]

@@ -8,9 +8,11 @@
     python -m flaxchat.cloud.launcher --project=my-project --recover "python -m scripts.pretrain --depth=24"
     python -m flaxchat.cloud.launcher --project=my-project --teardown
 
-Add --backend=local to rehearse all of it on this machine (flaxchat.cloud.emulator plays gcloud),
-and --dry-run to print the exact gcloud commands without running them. The VM that --create made
-is remembered per project (~/.flaxchat/launcher.json), so later calls need only --project.
+Add --backend=local to rehearse all of it on this machine (flaxchat.cloud.rehearsal plays gcloud
+and Cloud Storage), and --dry-run to print the exact gcloud commands without running them. The VM
+that --create made is remembered per project (~/.flaxchat/launcher.json), so later calls need only
+--project. What each kind of trouble looks like, and what the launcher does about it, is in
+docs/deployment.md ("What happens when...").
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from flaxchat.cloud.topology import check_process_count, default_runtime_version
 from flaxchat.errors import UserError, cli_main
 from flaxchat.remote.base import RemoteError, RemoteRunner, RemoteTimeout, RunResult, RunStatus
 
-TPU_INSTALL = 'python3 -m pip install -q -U pip && python3 -m pip install -q -e . "jax[tpu]"'
-LOCAL_INSTALL = 'python3 -c "import flaxchat"'  # the emulated workers share this machine's Python
 STATE_ENV = "FLAXCHAT_LAUNCHER_STATE"
+QR_WAIT_STATES = ("ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "CREATING", "STATE_UNSPECIFIED")
+QR_GONE_STATES = ("FAILED", "SUSPENDED", "SUSPENDING")
 
 
 @dataclasses.dataclass
@@ -49,9 +51,16 @@ class TPUConfig:
     backend: str = "gcloud"  # "gcloud", or "local": the emulator on this machine (a rehearsal)
     emulator_dir: str = ""  # local backend state; default ~/.flaxchat/emulator
     coordinator_port: int = g.COORDINATOR_PORT
-    install_command: str = ""  # default: jax[tpu] + `pip install -e .` (a check only, on the local backend)
+    zones: tuple = ()  # more zones to try, in order, when `zone` has no capacity
+    install_command: str = ""  # default: a uv venv (Python 3.11) with `-e .[tpu]` (+ gcs for gs://)
+    allow_local_checkpoints: bool = False  # accept a run folder that dies with the VM
     startup_check_s: float = 5.0  # how long `run` watches for a command that exits at once
     poll_s: float = 10.0  # wait()'s poll interval
+    capacity_retry_s: float = 6 * 3600.0  # how long create retries "no capacity" (over all zones)
+    capacity_backoff_s: float = 60.0  # first wait after every zone said no; doubles up to 15 min
+    ready_timeout_s: float = 3 * 3600.0  # a created VM (or queued resource) not READY by then is an error
+    ssh_wait_s: float = 900.0  # a READY VM whose workers do not take ssh by then is an error
+    setup_attempts: int = 3
 
     def validate(self) -> "TPUConfig":
         if not self.project:
@@ -69,14 +78,43 @@ class TPUConfig:
     def queued_resource(self) -> str:
         return f"{self.tpu_name}-qr"
 
-    def install_for(self, node: dict) -> str:
-        return self.install_command or (LOCAL_INSTALL if is_local(self, node) else TPU_INSTALL)
+    @property
+    def all_zones(self) -> list[str]:
+        return [self.zone] + [z for z in self.zones if z != self.zone]
+
+    def install_for(self, gcs: bool) -> str:
+        return self.install_command or g.default_install(("tpu", "gcs") if gcs else ("tpu",))
 
 
-def is_local(config: TPUConfig, node: dict | None) -> bool:
-    """True when the workers are the emulator's folders on this machine (backend local, or the
-    emulator first on PATH, as in the tests): they share this machine's Python and have no TPU."""
-    return config.backend == "local" or bool((node or {}).get("labels", {}).get("flaxchat-emulator"))
+def executor_for(config: TPUConfig) -> g.GcloudExecutor:
+    """The one place the backend is chosen: gcloud itself, or the rehearsal's stand-in for it (first
+    on PATH, same commands). Nothing after this asks which one it got."""
+    if config.backend != "local":
+        return g.GcloudExecutor()
+    from flaxchat.cloud.rehearsal import emulator
+    edir = os.path.expanduser(config.emulator_dir or os.environ.get(emulator.STATE_ENV)
+                              or os.path.join("~", ".flaxchat", "emulator"))
+    bin_dir = os.path.dirname(emulator.install_shim(os.path.join(edir, "bin")))
+    return g.GcloudExecutor(env=g.default_env_with_path(bin_dir, {emulator.STATE_ENV: edir}))
+
+
+def survives_the_vm(run_dir: str | None) -> bool:
+    """A run folder a deleted VM does not take with it: a bucket (gs://). None: not known."""
+    return run_dir is None or run_dir.startswith("gs://")
+
+
+def check_run_folder(config: TPUConfig, run_dir: str | None, why: str) -> None:
+    """Refuse, in one sentence, checkpoints that a preemption or a recreate would silently delete."""
+    if survives_the_vm(run_dir) or config.allow_local_checkpoints:
+        return
+    raise UserError(f"{why}, but the run folder {run_dir} is on the VM's own disk, which a preemption or "
+                    "a recreate deletes, so training would silently start again from step 0: use a gs:// "
+                    "--run-dir (a bucket outlives the VM), or pass --allow-local-checkpoints to accept that.")
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
 
 
 def state_path() -> str:
@@ -123,19 +161,10 @@ class TPULauncher(RemoteRunner):
         self.say = out or (lambda s: print(s, file=sys.stderr, flush=True))
         self.sleep, self.clock = sleep, clock
         self._secrets: dict[str, str] = {}
-        self.ex = executor or self._default_executor()
+        self.ex = executor or executor_for(self.config)
         self.ex.redact = self._redact
 
     # --- plumbing ------------------------------------------------------------------------------
-
-    def _default_executor(self) -> g.GcloudExecutor:
-        if self.config.backend != "local":
-            return g.GcloudExecutor()
-        from flaxchat.cloud import emulator  # the local backend only: the emulator and its shim
-        edir = os.path.expanduser(self.config.emulator_dir or os.environ.get(emulator.STATE_ENV)
-                                  or os.path.join("~", ".flaxchat", "emulator"))
-        bin_dir = os.path.dirname(emulator.install_shim(os.path.join(edir, "bin")))
-        return g.GcloudExecutor(env=g.default_env_with_path(bin_dir, {emulator.STATE_ENV: edir}))
 
     def _redact(self, text: str) -> str:
         for v in sorted((v for v in self._secrets.values() if v), key=len, reverse=True):
@@ -177,6 +206,19 @@ class TPULauncher(RemoteRunner):
                 return None
             raise
 
+    def describe_qr(self) -> dict | None:
+        """The queued resource behind a spot VM, or None (not spot, or it does not exist)."""
+        c = self.config
+        if not c.spot:
+            return None
+        try:
+            return json.loads(self.ex.run(g.qr_describe(c.project, c.zone, c.queued_resource), timeout=120).stdout
+                              or "{}")
+        except g.GcloudError as e:
+            if g.is_not_found(e):
+                return None
+            raise
+
     def _ready_node(self) -> dict:
         node = self.describe()
         c = self.config
@@ -191,11 +233,16 @@ class TPULauncher(RemoteRunner):
     # --- create / setup / teardown ----------------------------------------------------------------
 
     def create(self) -> dict:
-        """Create the VM, or reuse a READY one; a PREEMPTED/TERMINATED one is deleted and made again."""
+        """Create the VM, or reuse a READY one; a PREEMPTED/TERMINATED one (or a FAILED/SUSPENDED
+        queued resource) is deleted and made again. No capacity: retried over --zones with backoff."""
         c = self.config
         node = self.describe()
-        if node is not None and node.get("state") in ("PREEMPTED", "TERMINATED"):
-            self.say(f"TPU VM {c.tpu_name} is {node['state']}: deleting it to create it again")
+        qr_state = g.qr_state(self.describe_qr() or {})[0] if c.spot else None
+        gone = node is not None and node.get("state") in ("PREEMPTED", "TERMINATED")
+        if gone or qr_state in QR_GONE_STATES:
+            self.say(f"TPU VM {c.tpu_name} is {node['state'] if gone else 'gone'}"
+                     + (f" (queued resource {qr_state})" if qr_state in QR_GONE_STATES else "")
+                     + ": deleting it to create it again")
             self._delete()
             node = None
         if node is not None:
@@ -203,34 +250,89 @@ class TPULauncher(RemoteRunner):
                 raise UserError(f"TPU VM {c.tpu_name} already exists as a {node['acceleratorType']}, not a "
                                 f"{c.accelerator_type}; choose another --tpu-name or --teardown it first.")
             self.say(f"reusing TPU VM {c.tpu_name} ({node.get('state')})")
-        elif c.spot:
-            self.say(f"requesting spot {c.accelerator_type} {c.tpu_name} in {c.zone} (queued resource "
-                     f"{c.queued_resource})")
-            self.ex.run(g.qr_create(c.project, c.zone, c.queued_resource, c.tpu_name, c.accelerator_type, c.version))
+            node = self._wait_until_ready()
         else:
-            self.say(f"creating TPU VM {c.tpu_name} ({c.accelerator_type}) in {c.zone}")
-            self.ex.run(g.tpu_create(*self._where(), c.accelerator_type, c.version, c.preemptible), timeout=3600)
-        node = self._wait_until_ready()
+            node = self._create_with_retries()
         n, table = len(node.get("networkEndpoints", [])), topology_for(c.accelerator_type).workers
         if n != table:
             self.say(f"note: the VM has {n} worker(s); the topology table says {table}; using {n}")
         self._record(created=node.get("createTime"))
-        self.say(f"TPU VM {c.tpu_name} is READY with {n} worker(s)")
+        self.say(f"TPU VM {c.tpu_name} is READY with {n} worker(s) in {c.zone}")
         return node
 
-    def _wait_until_ready(self, timeout: float = 3 * 3600) -> dict:
-        t0 = self.clock()
+    def _create_once(self) -> dict:
+        c = self.config
+        if c.spot:
+            self.ex.run(g.qr_create(c.project, c.zone, c.queued_resource, c.tpu_name, c.accelerator_type, c.version),
+                        timeout=600)
+        else:
+            self.ex.run(g.tpu_create(*self._where(), c.accelerator_type, c.version, c.preemptible), timeout=3600)
+        return self._wait_until_ready()
+
+    def _create_with_retries(self) -> dict:
+        """Try each zone in turn; when all say "no capacity", wait (doubling, at most 15 min) and go round
+        again, for up to capacity_retry_s. Every attempt is printed. Other errors end it at once."""
+        c = self.config
+        zones, t0, attempt, delay = c.all_zones, self.clock(), 0, c.capacity_backoff_s
+        what = f"{'spot ' if c.spot else ''}{c.accelerator_type} {c.tpu_name}"
         while True:
-            node = self.describe()
+            last = None
+            for zone in list(zones):
+                attempt += 1
+                c.zone = zone
+                self.say(f"attempt {attempt}: creating {what} in {zone}"
+                         + (f" (queued resource {c.queued_resource})" if c.spot else ""))
+                try:
+                    return self._create_once()
+                except g.GcloudError as e:
+                    if g.is_unavailable_in_zone(e) and len(zones) > 1:
+                        self.say(f"attempt {attempt}: {zone} does not offer {c.accelerator_type}; not trying it again")
+                        zones.remove(zone)
+                        continue
+                    if not g.is_capacity_error(e):
+                        raise
+                    last = e
+                    self.say(f"attempt {attempt}: no capacity in {zone}: {e}")
+                    if c.spot:  # a FAILED queued resource stays until deleted; its name is needed again
+                        self._delete()
+            waited = self.clock() - t0
+            if waited + delay > c.capacity_retry_s:
+                raise RemoteError(f"no capacity for {c.accelerator_type} in {', '.join(zones)} after {attempt} "
+                                  f"attempt(s) over {_fmt_s(waited)}; the last answer was: {str(last).rstrip('.')}. Try other "
+                                  "--zones, --spot, a smaller slice, or a longer --capacity-retry-hours.")
+            self.say(f"no zone had capacity ({', '.join(zones)}); trying again in {_fmt_s(delay)} "
+                     f"(giving up after {_fmt_s(c.capacity_retry_s)} in all)")
+            self.sleep(delay)
+            delay = min(900.0, delay * 2)
+
+    def _wait_until_ready(self) -> dict:
+        """Poll until READY (a spot VM: its queued resource ACTIVE first), within ready_timeout_s.
+        A FAILED queued resource is an error with Google's own message."""
+        c = self.config
+        t0, seen = self.clock(), None
+        while True:
+            if c.spot:
+                qr = self.describe_qr()
+                state, message = g.qr_state(qr) if qr is not None else ("absent", "")
+                if state != seen:
+                    self.say(f"queued resource {c.queued_resource}: {state}")
+                    seen = state
+                if state == "FAILED":
+                    raise g.GcloudError(f"queued resource {c.queued_resource} FAILED: "
+                                        f"{message or 'Google gave no reason'}")
+                if state in ("SUSPENDED", "SUSPENDING", "absent"):
+                    raise RemoteError(f"queued resource {c.queued_resource} is {state} (its capacity was taken "
+                                      "back) while waiting for it; --recover makes it again.")
+            node = None if c.spot and seen != "ACTIVE" else self.describe()
             state = node.get("state") if node else None
             if state == "READY":
                 return node
-            if state in ("PREEMPTED", "TERMINATED") or (node is None and not self.config.spot):
-                raise RemoteError(f"TPU VM {self.config.tpu_name} became {state or 'absent'} while waiting "
+            if state in ("PREEMPTED", "TERMINATED") or (node is None and not c.spot):
+                raise RemoteError(f"TPU VM {c.tpu_name} became {state or 'absent'} while waiting "
                                   "for it to be READY.")
-            if self.clock() - t0 > timeout:
-                raise RemoteTimeout(f"TPU VM {self.config.tpu_name} was not READY after {timeout / 60:.0f} min.")
-            self.sleep(min(30.0, self.config.poll_s))
+            if self.clock() - t0 > c.ready_timeout_s:
+                raise RemoteTimeout(f"TPU VM {c.tpu_name} was not READY after {_fmt_s(c.ready_timeout_s)}.")
+            self.sleep(min(30.0, c.poll_s))
 
     def _delete(self) -> None:
         c = self.config
@@ -244,26 +346,66 @@ class TPULauncher(RemoteRunner):
                 raise
 
     def teardown(self) -> None:
-        """Delete the VM (and its queued resource), and forget it."""
+        """Delete the VM (and its queued resource), and forget it. A VM that is not there is an error:
+        a typo in --tpu-name or --zone must not leave the real one running unnoticed."""
         c = self.config
-        self.say(f"deleting TPU VM {c.tpu_name} in {c.zone}" + (f" and queued resource {c.queued_resource}"
-                                                              if c.spot else ""))
-        self._delete()
+        node, qr = self.describe(), self.describe_qr()
         state = load_state()
         if state.get("vms", {}).get(c.project, {}).get("tpu_name") == c.tpu_name:
             del state["vms"][c.project]
-            save_state(state)
+            if not isinstance(self.ex, g.DryRunExecutor):
+                save_state(state)
+        if node is None and qr is None:
+            raise UserError(f"TPU VM {c.tpu_name} was not found in zone {c.zone} (project {c.project}); nothing "
+                            f"was deleted: check --tpu-name and --zone (`gcloud compute tpus tpu-vm list "
+                            f"--zone={c.zone}` lists what is there).")
+        self.say(f"deleting TPU VM {c.tpu_name} in {c.zone}" + (f" and queued resource {c.queued_resource}"
+                                                              if c.spot else ""))
+        self._delete()
 
-    def setup(self, local_repo_path: str = ".") -> None:
-        """Upload the repo (git ls-files) to every worker and install it, unless that exact tree is there."""
+    def _wait_for_ssh(self, n: int) -> None:
+        """A VM is READY before its workers take ssh (keys are still being pushed): wait for all of them."""
+        t0, delay, attempt = self.clock(), 2.0, 0
+        while True:
+            attempt += 1
+            res = self._ssh(g.ssh_check_command(), check=False, timeout=120)
+            if res.returncode == 0:
+                return
+            waited = self.clock() - t0
+            if waited + delay > self.config.ssh_wait_s:
+                raise RemoteError(f"the {n} worker(s) of TPU VM {self.config.tpu_name} did not all take ssh within "
+                                  f"{_fmt_s(self.config.ssh_wait_s)}: {g.one_line(res.stderr + res.stdout)}")
+            self.say(f"waiting for ssh on TPU VM {self.config.tpu_name} (try {attempt}): "
+                     f"{g.one_line(res.stderr + res.stdout, 160)}")
+            self.sleep(delay)
+            delay = min(60.0, delay * 2)
+
+    def setup(self, local_repo_path: str = ".", gcs: bool | None = None) -> None:
+        """Upload the repo (git ls-files) to every worker and build its venv, unless that exact tree and
+        install are there already. Waits for ssh first; a failed setup is tried again (setup_attempts)."""
         node = self._ready_node()
         n = len(node["networkEndpoints"])
         root = os.path.abspath(local_repo_path)
         if not os.path.isdir(root):
             raise UserError(f"--upload path {local_repo_path} is not a folder.")
+        if gcs is None:
+            gcs = ((self.remembered().get("run") or {}).get("run_dir") or "").startswith("gs://")
+        install = self.config.install_for(gcs)
+        self._wait_for_ssh(n)
+        attempts = max(1, self.config.setup_attempts)
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._setup_once(root, n, install)
+            except (g.GcloudError, RemoteTimeout) as e:
+                if attempt == attempts:
+                    raise RemoteError(f"setup failed on TPU VM {self.config.tpu_name} {attempts} time(s); the last "
+                                      f"error: {e}") from None
+                self.say(f"setup attempt {attempt} of {attempts} failed ({e}); trying again")
+                self.sleep(min(60.0, 5.0 * attempt))
+
+    def _setup_once(self, root: str, n: int, install: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tarball = os.path.join(tmp, g.REMOTE_TARBALL)
-            install = self.config.install_for(node)
             digest = g.make_tarball(root, tarball, extra=install)
             have = self._ssh(g.setup_marker_command(), check=False, timeout=300).stdout.split()
             if have.count(digest) >= n:
@@ -272,7 +414,7 @@ class TPULauncher(RemoteRunner):
             self.say(f"uploading {len(g.repo_files(root))} files to {n} worker(s)")
             self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
         self._ssh(g.unpack_command(), timeout=600)
-        self.say(f"installing on {n} worker(s): {install}")
+        self.say(f"installing on {n} worker(s) into ~/{g.REMOTE_VENV}: {install}")
         self._ssh(g.install_command(digest, install), timeout=3600)  # the workers' marker is the truth
 
     # --- run / stop / status ----------------------------------------------------------------------
@@ -281,10 +423,6 @@ class TPULauncher(RemoteRunner):
         """Copy the env file (0600) to every worker: the only way env and secrets reach them."""
         eps = node["networkEndpoints"]
         env = dict(env or {})
-        if is_local(self.config, node):  # a rehearsal runs JAX on CPU with the slice's devices per worker
-            env.setdefault("JAX_PLATFORMS", "cpu")
-            env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count="
-                           f"{topology_for(self.config.accelerator_type).chips_per_worker}")
         if len(eps) > 1:
             data = g.worker_env(eps[0]["ipAddress"], len(eps), env, secrets, self.config.coordinator_port)
         else:
@@ -337,30 +475,44 @@ class TPULauncher(RemoteRunner):
                 raise RemoteError(f"the command exited at once on worker {w['worker']} with code "
                                   f"{w.get('exit_code')}: {w.get('last_line') or '(no output)'}")
 
-    def _worker_status(self, n: int) -> list[dict | None]:
-        marker = (self.remembered().get("run") or {}).get("marker")
+    def _worker_status(self, n: int, marker: str | None = None) -> list[dict | None]:
+        marker = marker or (self.remembered().get("run") or {}).get("marker")
         res = self._ssh(g.status_command(marker), check=False, timeout=300)
         if "can't open file" in res.stderr + res.stdout:
             raise RemoteError(f"flaxchat is not set up on TPU VM {self.config.tpu_name}; run --setup --upload=. first.")
         found = g.parse_worker_lines(res.stdout)
-        return [found.get(i) for i in range(n)]
+        workers = [found.get(i) for i in range(n)]
+        if marker and marker.startswith("gs://") and workers[0] is not None:
+            workers[0]["complete"] = self.bucket_has(marker)  # once, from here: no VM asks the bucket
+        return workers
+
+    def bucket_has(self, url: str) -> bool:
+        """Whether an object exists in Cloud Storage (`gcloud storage ls`; no VM involved)."""
+        try:
+            return bool(self.ex.run(g.storage_ls(url), timeout=120).stdout.strip())
+        except g.GcloudError as e:
+            if "matched no objects" in str(e) or g.is_not_found(e):
+                return False
+            raise
 
     def stop(self) -> None:
         self._ready_node()
         self._ssh(g.stop_command(), check=False, timeout=300)
         self.say(f"stopped the run on TPU VM {self.config.tpu_name}")
 
-    def health(self) -> dict:
+    def health(self, marker: str | None = None) -> dict:
         """VM state and, per worker: process, exit code, step/loss/tok/s, heartbeat age, disk, last line."""
         c = self.config
         node = self.describe()
         state = node.get("state", "UNKNOWN") if node else "NOT_FOUND"
         workers = []
         if state == "READY":
-            for i, w in enumerate(self._worker_status(len(node["networkEndpoints"]))):
+            for i, w in enumerate(self._worker_status(len(node["networkEndpoints"]), marker)):
                 workers.append({**w, "reachable": True} if w else {"worker": i, "reachable": False})
         deadline = rec.Policy().heartbeat_deadline_s
+        qr = self.describe_qr()
         return {"vm": c.tpu_name, "zone": c.zone, "accelerator": c.accelerator_type, "state": state,
+                "health": (node or {}).get("health"), "qr_state": g.qr_state(qr)[0] if qr else None,
                 "workers": workers, "problems": rec.health_problems(state, workers, deadline)}
 
     def status(self) -> RunStatus:
@@ -433,15 +585,30 @@ class TPULauncher(RemoteRunner):
 
     # --- checkpoints and recovery -----------------------------------------------------------------
 
+    def complete_steps(self, ckpt: str) -> list[int]:
+        """Orbax steps that finished saving. In a bucket: those with commit_success.txt (Orbax on GCS
+        writes the step under its final name and that file last), read with `gcloud storage ls`, so
+        it works after a teardown or a preemption. On a worker's disk: worker.py lists them."""
+        if ckpt.startswith("gs://"):
+            try:
+                out = self.ex.run(g.storage_ls(f"{ckpt.rstrip('/')}/*/commit_success.txt"), timeout=300).stdout
+            except g.GcloudError as e:
+                if "matched no objects" in str(e) or g.is_not_found(e):
+                    return []
+                raise
+            steps = [line.rstrip("/").rsplit("/", 2)[-2] for line in out.splitlines() if line.strip()]
+            return sorted(int(x) for x in steps if x.isdigit())
+        self._ready_node()
+        found = g.parse_worker_lines(self._ssh(g.checkpoints_command(ckpt), worker=0, timeout=300).stdout).get(0, {})
+        return found.get("complete", [])
+
     def download_checkpoint(self, local_dir: str, run_dir: str | None = None, step: int | None = None) -> str:
         """Copy the latest complete Orbax step (never a half-written one) into local_dir/<step>."""
         run_dir = run_dir or (self.remembered().get("run") or {}).get("run_dir")
         if not run_dir:
-            raise UserError("no run folder is known; pass run_dir= (the --run-dir of the training).")
+            raise UserError("no run folder is known; pass --run-dir (the --run-dir of the training).")
         ckpt = run_dir.rstrip("/") + "/checkpoints"
-        self._ready_node()
-        found = g.parse_worker_lines(self._ssh(g.checkpoints_command(ckpt), worker=0, timeout=300).stdout).get(0, {})
-        complete = found.get("complete", [])
+        complete = self.complete_steps(ckpt)
         if not complete or (step is not None and step not in complete):
             raise UserError(f"no complete checkpoint{f' at step {step}' if step is not None else ''} in {ckpt} "
                             f"(complete steps: {complete or 'none'}).")
@@ -455,20 +622,27 @@ class TPULauncher(RemoteRunner):
         self.say(f"downloaded step {step} to {os.path.join(local_dir, str(step))}")
         return os.path.join(local_dir, str(step))
 
-    def observe(self, run_id: str | None, expects_marker: bool) -> rec.Observation:
-        h = self.health()
+    def observe(self, run_id: str | None, marker: str | None, now: float | None = None) -> rec.Observation:
+        """What recovery decides on; `marker` is the completion marker of the command it recovers."""
+        h = self.health(marker)
+        expects_marker = marker is not None
         state = None if h["state"] == "NOT_FOUND" else h["state"]
         workers = [rec.WorkerObs(reachable=w.get("reachable", True), state=w.get("state", "none"),
-                                 exit_code=w.get("exit_code"), heartbeat_age=w.get("heartbeat_age"),
+                                 exit_code=w.get("exit_code"), progress_age=w.get("progress_age"),
                                  step=w.get("step"), run_id=w.get("run_id")) for w in h["workers"]]
         complete = bool(h["workers"] and h["workers"][0].get("complete"))
-        return rec.Observation(state, workers, complete, run_id, expects_marker)
+        return rec.Observation(state, workers, complete, run_id, expects_marker, health=h.get("health"),
+                               qr_state=h.get("qr_state"), now=self.clock() if now is None else now)
 
     def recover(self, command: str, *, env: Mapping[str, str] | None = None,
                 secrets: Mapping[str, str] | None = None, local_repo_path: str = ".",
                 policy: rec.Policy | None = None, clock=None, sleep=None, timeout: float | None = None) -> RunResult:
-        """Keep `command` running to completion through crashes, hangs and preemptions (see recovery.py)."""
+        """Keep `command` running to completion through crashes, hangs and preemptions (see recovery.py).
+        Refuses a run folder on the VM's disk (a recreate would lose it) unless allow_local_checkpoints."""
         policy = policy or rec.Policy()
+        run_dir = run_dir_of(command)
+        check_run_folder(self.config, run_dir, "--recover deletes and recreates a preempted or broken VM")
+        clock, sleep = clock or self.clock, sleep or self.sleep
         prev = self.remembered().get("run") or {}
         # Attach to the same command if it is already going; "" = none of the workers runs it yet.
         current = {"run_id": prev.get("run_id") if prev.get("command") == command else ""}
@@ -477,7 +651,6 @@ class TPULauncher(RemoteRunner):
                             "first, or recover that command.")
         secrets = dict(secrets) if secrets is not None else {
             k: os.environ[k] for k in prev.get("secret_names", []) if k in os.environ}
-        run_dir = run_dir_of(command)
 
         def start():
             self.run(command, env=env, secrets=secrets, replace=True)
@@ -487,17 +660,17 @@ class TPULauncher(RemoteRunner):
             self.stop()
             start()
 
-        def recreate():
+        def recreate():  # a new VM has a new disk: setup (with its retries) runs again before the command
             self._delete()
             self.create()
-            self.setup(local_repo_path)
+            self.setup(local_repo_path, gcs=bool(run_dir and run_dir.startswith("gs://")))
             start()
 
         actions = type("RecoveryActions", (), {"start": staticmethod(start), "restart": staticmethod(restart),
                                                "recreate": staticmethod(recreate)})()
-        decision = rec.recover_loop(lambda: self.observe(current["run_id"], run_dir is not None), actions, policy,
-                                    clock=clock or self.clock, sleep=sleep or self.sleep, log=self.say,
-                                    timeout=timeout)
+        marker = f"{run_dir.rstrip('/')}/COMPLETE" if run_dir else None
+        decision = rec.recover_loop(lambda: self.observe(current["run_id"], marker, clock()), actions,
+                                    policy, clock=clock, sleep=sleep, log=self.say, timeout=timeout)
         ok = decision.action is rec.Action.DONE
         return RunResult(state="done" if ok else "failed", ok=ok, error_name=None if ok else "GaveUp",
                          error_value=None if ok else decision.reason)
@@ -512,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     vm = ap.add_argument_group("which TPU VM (later calls may give only --project: the VM is remembered)")
     vm.add_argument("--project", help="Google Cloud project")
     vm.add_argument("--zone", help=f"zone (default {TPUConfig.zone})")
+    vm.add_argument("--zones", help="zones to try in order when one has no capacity, e.g. "
+                                    "us-central2-b,us-central1-a (the first is --zone's default)")
     vm.add_argument("--tpu-name", help=f"VM name (default {TPUConfig.tpu_name})")
     vm.add_argument("--accelerator", "--accelerator-type", dest="accelerator",
                     help=f"e.g. v4-8, v5litepod-16, v5p-32, v6e-64 (default {TPUConfig.accelerator_type})")
@@ -549,6 +724,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--recover: a worker silent this long is hung (s)")
     opt.add_argument("--max-restarts", type=int, default=rec.Policy.max_restarts)
     opt.add_argument("--timeout", type=float, help="--wait/--recover: give up after this many seconds")
+    opt.add_argument("--install", metavar="CMD",
+                     help="--setup: the install command, run in the repo on every worker with $UV and "
+                          "$FLAXCHAT_VENV set; it must leave a Python >= 3.11 that imports flaxchat at "
+                          "$FLAXCHAT_VENV/bin/python (default: uv venv --python 3.11, then -e .[tpu], "
+                          "plus gcs for a gs:// run folder)")
+    opt.add_argument("--allow-local-checkpoints", action="store_true", default=None,
+                     help="--recover / a preemptible --create: accept a run folder on the VM's disk "
+                          "(a recreate loses it and training starts again from step 0)")
+    opt.add_argument("--capacity-retry-hours", type=float,
+                     help=f"--create: keep retrying 'no capacity' this long (default {TPUConfig.capacity_retry_s / 3600:g})")
     opt.add_argument("--dry-run", action="store_true", help="print the gcloud commands instead of running them")
     return ap
 
@@ -568,9 +753,17 @@ def resolve_config(args) -> tuple[TPUConfig, str]:
     for flag, field in [("zone", "zone"), ("tpu_name", "tpu_name"), ("accelerator", "accelerator_type"),
                         ("runtime_version", "runtime_version"), ("preemptible", "preemptible"), ("spot", "spot"),
                         ("backend", "backend"), ("emulator_dir", "emulator_dir"),
-                        ("coordinator_port", "coordinator_port")]:
+                        ("coordinator_port", "coordinator_port"), ("install", "install_command"),
+                        ("allow_local_checkpoints", "allow_local_checkpoints")]:
         if getattr(args, flag) is not None:
             setattr(config, field, getattr(args, flag))
+    config.zones = tuple(config.zones or ())
+    if args.zones:
+        config.zones = tuple(z.strip() for z in args.zones.split(",") if z.strip())
+        if not args.zone and config.zones:
+            config.zone = config.zones[0]
+    if args.capacity_retry_hours is not None:
+        config.capacity_retry_s = args.capacity_retry_hours * 3600.0
     named = bool(args.tpu_name and args.zone)
     if not saved and not args.create and not named:
         raise UserError(f"no TPU VM is remembered for project {project}; create one first with --create "
@@ -638,13 +831,21 @@ def main(argv=None) -> int:
     if args.dry_run:
         executor = _dry_run_executor(config, exists=not args.create)
         config.startup_check_s = 0
+    command = args.recover or args.run
+    run_dir = args.run_dir or (run_dir_of(command) if command else None)
+    # Before anything is created: checkpoints that a preemption would delete are refused here.
+    if args.recover:
+        check_run_folder(config, run_dir, "--recover deletes and recreates a preempted or broken VM")
+    elif args.create and (config.preemptible or config.spot) and command:
+        check_run_folder(config, run_dir, f"a {'spot' if config.spot else 'preemptible'} VM is deleted when "
+                                          "it is preempted")
     launcher = TPULauncher(config, executor=executor, sleep=(lambda s: None) if args.dry_run else time.sleep)
     launcher.say(f"flaxchat: acting on {where}")
     code = 0
     if args.create:
         launcher.create()
     if args.setup or args.upload:
-        launcher.setup(args.upload or ".")
+        launcher.setup(args.upload or ".", gcs=(run_dir or "").startswith("gs://") if run_dir else None)
     if args.check_devices:
         print(json.dumps(launcher.check_devices()))
     if args.run:

@@ -1,18 +1,25 @@
 """Preemption recovery: a pure decision from what the pod looks like, and the loop that acts on it.
 
-`decide(observation, counters, policy)` maps (VM state, per-worker process state, completion marker,
-retry counts) to one action and a reason. Nothing in it reads a clock or a network, so a test can
-walk every branch; `recover_loop` polls, decides, logs each transition and acts, with the clock and
-`sleep` injected (a test runs hours of polling in microseconds).
+`decide(observation, counters, policy)` maps (VM state, queued-resource state, node health, per-worker
+process state and training step, completion marker, retry counts, the time of the observation) to
+one action and a reason. Nothing in it reads a clock or a network, so a test can walk every branch;
+`recover_loop` polls, decides, logs each transition and acts, with the clock and `sleep` injected (a
+test runs hours of polling in milliseconds).
 
-    READY, all workers alive ............... WATCH
+    READY, all workers alive and stepping .. WATCH
     completion marker present .............. DONE
     no worker runs this command yet ........ START
     a worker crashed / exited 0 unfinished . RESTART, exponential backoff, bounded
-    a worker alive but silent too long ..... RESTART (hung)
-    a worker does not answer, N polls ...... RECREATE (GCP does not always report PREEMPTED)
-    PREEMPTED / TERMINATED / missing ....... RECREATE (delete, create, setup, run: resumes from
-                                             the last Orbax checkpoint), bounded
+    a worker alive, its step unchanged ..... RESTART (hung): the step comes from the progress file
+      for heartbeat_deadline_s                every process writes, never from printed lines (only
+                                              process 0 prints on a pod)
+    a worker does not answer ssh ........... WAIT, with backoff, and say so: ssh trouble (a key,
+                                              OS Login, IAP, a slow sshd) is no evidence that the VM
+                                              is gone, and deleting a READY pod kills a healthy run
+      ... and Google says the node is ...... RECREATE (positive evidence: its health field)
+      unhealthy, N polls
+    PREEMPTED / TERMINATED / missing, or ... RECREATE (delete, create, set up, run: resumes from
+      its queued resource FAILED/SUSPENDED    the last complete checkpoint in the bucket), bounded
     CREATING / REPAIRING / RESTARTING ... .. WAIT
     STOPPED (someone stopped it) ........... GIVE_UP: never delete what the user stopped
 
@@ -31,6 +38,9 @@ from typing import Callable, Protocol, Sequence
 from flaxchat.remote.base import RemoteError
 
 GONE_STATES = frozenset({"PREEMPTED", "TERMINATED"})
+QR_GONE_STATES = frozenset({"FAILED", "SUSPENDED", "SUSPENDING"})
+# Google's node `health` values that say the host itself is broken (not just our ssh to it).
+BAD_HEALTH = frozenset({"UNHEALTHY_MAINTENANCE", "TIMEOUT", "UNHEALTHY_TENSORFLOW"})
 WAIT_STATES = frozenset({"CREATING", "REPAIRING", "RESTARTING", "STARTING", "STOPPING", "DELETING", "UNKNOWN",
                          "STATE_UNSPECIFIED"})
 
@@ -52,8 +62,8 @@ class WorkerObs:
     reachable: bool = True
     state: str = "running"  # none | starting | running | exited | killed
     exit_code: int | None = None
-    heartbeat_age: float | None = None
-    step: int | None = None
+    progress_age: float | None = None  # s since its last finished step, by the VM's clock (display only)
+    step: int | None = None  # its last finished step, from its progress file
     run_id: str | None = None
 
 
@@ -64,6 +74,9 @@ class Observation:
     complete: bool = False  # the training's own completion marker exists
     run_id: str | None = None  # the run we are recovering; workers on another run have not started it
     expects_marker: bool = True  # False for a command without a completion marker: all exit 0 = done
+    health: str | None = None  # the node's `health` field (HEALTHY, TIMEOUT, UNHEALTHY_MAINTENANCE...)
+    qr_state: str | None = None  # the queued resource's state, for a spot VM
+    now: float = 0.0  # when this was observed, by the recovery's (injected) clock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +85,10 @@ class Counters:
     recreates: int = 0  # since the last progress
     unreachable_polls: int = 0  # consecutive polls with a worker that did not answer
     progress_step: int | None = None  # the furthest step seen
+    # Per worker: (run id, last step seen, when that step was first seen): a worker whose step has
+    # not moved for heartbeat_deadline_s of the recovery's clock is hung. Measured here, not on the
+    # VM, so a skewed VM clock does not matter and an injected clock drives it in tests.
+    steps_seen: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +98,9 @@ class Policy:
     max_recreates: int = 10
     backoff_s: float = 30.0
     max_backoff_s: float = 600.0
-    heartbeat_deadline_s: float = 1800.0  # silent this long while alive = hung (compiles can take minutes)
-    unreachable_polls: int = 3
+    heartbeat_deadline_s: float = 1800.0  # no new step this long while alive = hung (compiles take minutes)
+    unreachable_polls: int = 3  # with Google saying the node is unhealthy: recreate after this many
+    max_ssh_backoff_s: float = 600.0  # ssh trouble: the wait between polls doubles up to this
     max_observe_failures: int = 10  # consecutive polls that could not even look (gcloud errors)
 
 
@@ -100,8 +118,9 @@ def _backoff(policy: Policy, restarts: int) -> float:
 def decide(obs: Observation, counters: Counters, policy: Policy) -> Decision:
     """The next action for the pod; pure."""
     state = obs.vm_state
-    if state is None or state in GONE_STATES:
-        why = "the VM no longer exists" if state is None else f"the VM is {state}"
+    if state is None or state in GONE_STATES or obs.qr_state in QR_GONE_STATES:
+        why = ("the VM no longer exists" if state is None else f"the VM is {state}" if state in GONE_STATES
+               else f"its queued resource is {obs.qr_state}")
         if counters.recreates >= policy.max_recreates:
             return Decision(Action.GIVE_UP, f"{why}, and it was recreated {counters.recreates} times without progress")
         return Decision(Action.RECREATE, f"{why}: delete, recreate, set up and run again from the last checkpoint")
@@ -118,13 +137,16 @@ def decide(obs: Observation, counters: Counters, policy: Policy) -> Decision:
 def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decision:
     silent = [i for i, w in enumerate(obs.workers) if not w.reachable]
     if silent:
-        if counters.unreachable_polls + 1 >= policy.unreachable_polls:
+        polls = counters.unreachable_polls + 1
+        if obs.health in BAD_HEALTH and polls >= policy.unreachable_polls:
             if counters.recreates >= policy.max_recreates:
                 return Decision(Action.GIVE_UP, f"worker(s) {silent} stopped answering and recreating did not help")
-            return Decision(Action.RECREATE, f"worker(s) {silent} did not answer for {counters.unreachable_polls + 1} "
-                                             "polls though the VM says READY")
-        return Decision(Action.WAIT, f"worker(s) {silent} did not answer (poll {counters.unreachable_polls + 1} of "
-                                     f"{policy.unreachable_polls})")
+            return Decision(Action.RECREATE, f"worker(s) {silent} did not answer for {polls} polls and Google "
+                                             f"reports the node's health as {obs.health}")
+        delay = min(policy.max_ssh_backoff_s, policy.poll_s * 2 ** min(polls - 1, 10))
+        return Decision(Action.WAIT, f"ssh to worker(s) {silent} failed ({polls} poll(s) in a row) while the VM is "
+                                     "READY: waiting, a READY VM is never deleted for ssh trouble (check your ssh "
+                                     "key, OS Login or firewall)", delay)
     def foreign(w):  # not running our command at all (never started it, or an older run)
         return w.state == "none" or (obs.run_id is not None and w.run_id != obs.run_id)
     if all(foreign(w) for w in obs.workers):
@@ -133,7 +155,7 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
                if foreign(w) or w.state == "killed" or (w.state == "exited" and w.exit_code != 0)]
     finished = all(w.state == "exited" and w.exit_code == 0 for w in obs.workers)
     hung = [i for i, w in enumerate(obs.workers) if w.state in ("running", "starting")
-            and w.heartbeat_age is not None and w.heartbeat_age > policy.heartbeat_deadline_s]
+            and obs.now - _since(counters, i, w, obs.now) > policy.heartbeat_deadline_s]
     if crashed:
         what = ", ".join(f"worker {i} " + ("never started" if foreign(w) else "was killed" if w.state == "killed"
                                            else f"exited {w.exit_code}") for i, w in crashed)
@@ -143,9 +165,17 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
             return Decision(Action.DONE, "every worker exited 0")
         return _restart("every worker exited 0 but the completion marker is missing", counters, policy)
     if hung:
-        return _restart(f"worker(s) {hung} alive but silent for over {policy.heartbeat_deadline_s:.0f} s (hung)",
-                        counters, policy)
+        return _restart(f"worker(s) {hung} alive but no training step for over {policy.heartbeat_deadline_s:.0f} s "
+                        "(hung)", counters, policy)
     return Decision(Action.WATCH, "the VM is READY and the workers are running")
+
+
+def _since(counters: Counters, i: int, w: WorkerObs, now: float) -> float:
+    """When worker i's current step was first seen (now, if this is the first look at it)."""
+    seen = dict(enumerate(counters.steps_seen)).get(i)
+    if seen and seen[0] == w.run_id and seen[1] == w.step:
+        return seen[2]
+    return now
 
 
 def _restart(what: str, counters: Counters, policy: Policy) -> Decision:
@@ -165,10 +195,15 @@ def next_counters(counters: Counters, obs: Observation, decision: Decision) -> C
         c = dataclasses.replace(c, restarts=0, recreates=0, progress_step=best)
     unreachable = any(not w.reachable for w in obs.workers) and obs.vm_state == "READY"
     c = dataclasses.replace(c, unreachable_polls=c.unreachable_polls + 1 if unreachable else 0)
+    if obs.workers and not unreachable:
+        c = dataclasses.replace(c, steps_seen=tuple((w.run_id, w.step, _since(counters, i, w, obs.now))
+                                                    for i, w in enumerate(obs.workers)))
     if decision.action is Action.RESTART:
         c = dataclasses.replace(c, restarts=c.restarts + 1)
     elif decision.action is Action.RECREATE:
         c = dataclasses.replace(c, recreates=c.recreates + 1, unreachable_polls=0)
+    if decision.action in (Action.RESTART, Action.RECREATE, Action.START):
+        c = dataclasses.replace(c, steps_seen=())  # a new run: its clock starts at the next look
     return c
 
 
@@ -218,7 +253,7 @@ def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: P
                 actions.start()
         except RemoteError as e:
             log(f"[recover +{clock() - t0:.0f}s] {decision.action.value} failed: {e}")
-        sleep(policy.poll_s)
+        sleep(decision.delay if decision.action is Action.WAIT and decision.delay else policy.poll_s)
 
 
 # --- the health report (what --health prints) --------------------------------------------------------
@@ -235,7 +270,7 @@ def format_health(report: dict) -> str:
     lines = [f"TPU VM {report['vm']} ({report['accelerator']}, {report['zone']}): {report['state']}"]
     if report["workers"]:
         lines.append(f"{'worker':<7}{'process':<10}{'exit':<6}{'step':<13}{'loss':<9}{'tok/s':<11}"
-                     f"{'heartbeat':<11}{'disk':<7}last line")
+                     f"{'progress':<11}{'disk':<7}last line")
     for w in report["workers"]:
         if not w.get("reachable", True):
             lines.append(f"{w['worker']:<7}unreachable")
@@ -245,7 +280,7 @@ def format_health(report: dict) -> str:
         toks = f"{w['tok_s']:,.0f}" if w.get("tok_s") is not None else "-"
         code = "-" if w.get("exit_code") is None else str(w["exit_code"])
         lines.append(f"{w['worker']:<7}{w['state']:<10}{code:<6}{step:<13}{loss:<9}{toks:<11}"
-                     f"{_age(w.get('heartbeat_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
+                     f"{_age(w.get('progress_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
                      f"{(w.get('last_line') or '')[:80]}")
     lines += [f"problem: {p}" for p in report["problems"]]
     return "\n".join(lines)
@@ -261,6 +296,6 @@ def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[
             problems.append(f"worker {i} crashed (exit {w['exit_code']}): {w.get('last_line', '')}")
         elif w["state"] == "killed":
             problems.append(f"worker {i}'s process was killed (no exit code): {w.get('last_line', '')}")
-        elif w["state"] == "running" and (w.get("heartbeat_age") or 0) > deadline_s:
-            problems.append(f"worker {i} has printed nothing for {_age(w['heartbeat_age'])} (hung?)")
+        elif w["state"] == "running" and (w.get("progress_age") or 0) > deadline_s:
+            problems.append(f"worker {i} has finished no training step for {_age(w['progress_age'])} (hung?)")
     return problems

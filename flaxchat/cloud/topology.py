@@ -76,10 +76,26 @@ def topology_for(accelerator: str) -> Topology:
     """The slice shape for an accelerator type such as "v4-8"; a UserError lists the valid ones."""
     topo = TOPOLOGIES.get(accelerator.strip().lower())
     if topo is None:
-        raise UserError(
-            f"unknown TPU accelerator type {accelerator!r}; valid types are: {', '.join(valid_accelerators())}."
-        )
+        raise UserError(f"unknown TPU accelerator type {accelerator!r}; {suggest(accelerator)}")
     return topo
+
+
+def suggest(accelerator: str) -> str:
+    """The families with their size ranges, and the nearest valid name ("did you mean v5litepod-8?")."""
+    import difflib
+
+    name = accelerator.strip().lower()
+    ranges = []
+    for gen in RUNTIME_VERSIONS:
+        names = [t for t in valid_accelerators() if TOPOLOGIES[t].generation == gen]
+        ranges.append(f"{names[0]} to {names[-1]}")
+    near = []
+    family, _, size = name.rpartition("-")
+    if family in ("v5e", "v5lite", "v5litepod", "v5lp"):  # Google calls it v5e; the API, v5litepod
+        near = [f"v5litepod-{size}"] if f"v5litepod-{size}" in TOPOLOGIES else []
+    if not near and name[:1] == "v" and name[1:2].isdigit():  # a TPU name, misspelt (not "gpu-8")
+        near = difflib.get_close_matches(name, list(TOPOLOGIES), n=1, cutoff=0.6)
+    return (f"did you mean {near[0]}? " if near else "") + f"the families are {', '.join(ranges)}."
 
 
 def num_workers_for(accelerator: str) -> int:

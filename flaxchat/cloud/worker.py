@@ -1,31 +1,38 @@
 """What runs on each worker: start a command detached, and answer status / logs / stop for it.
 
-    python3 flaxchat/cloud/worker.py start --run-id ID --env-file F --cwd DIR [--replace] -- CMD
+    python3 flaxchat/cloud/worker.py start --run-id ID --env-file F --cwd DIR [--venv V] [--replace] -- CMD
     python3 flaxchat/cloud/worker.py status [--marker PATH]      # one JSON line
     python3 flaxchat/cloud/worker.py logs [--follow] [--prefix] [--lines N]
     python3 flaxchat/cloud/worker.py stop
     python3 flaxchat/cloud/worker.py probe --env-file F --cwd DIR   # JAX devices, one JSON line
     python3 flaxchat/cloud/worker.py checkpoints --dir D --cwd DIR  # complete / partial Orbax steps
 
-Standard library only and run by path, so it works on a fresh VM before anything is installed, and
-by the LocalRunner on this machine. `start` hands the command to a supervisor in its own session
-(so an ssh disconnect or Ctrl-C never reaches it), which reads the env file (coordinator address,
-process count, user env and secrets: never on a command line), adds this worker's process id, runs
+Standard library only and run by path with the image's own python3 (3.10 on Google's TPU images),
+so it works on a fresh VM before anything is installed. `start` hands the command to a supervisor in
+its own session (so an ssh disconnect or Ctrl-C never reaches it), which reads the env file
+(coordinator address, process count, user env and secrets: never on a command line), adds this
+worker's process id, puts the setup's venv first on PATH (so `python` is the venv's 3.11+), runs
 the command in its own process group, and writes into the state folder (default ~/.flaxchat/run):
 
-    run.json     run id, command, pids, start time
-    output.log   stdout+stderr, secrets replaced by ***
-    heartbeat    its mtime is the time of the last output line (a silent worker is a hung one)
-    exit_code    written when the command ends; absent after a SIGKILL (preemption, OOM killer)
+    run.json       run id, command, pids, start time
+    output.log     stdout+stderr, secrets replaced by *** (on a pod only process 0 prints)
+    progress.json  the child's FLAXCHAT_PROGRESS_FILE: step and time of the last finished step,
+                   written by every process (flaxchat.progress, schema 1). This is the liveness:
+                   a process alive whose step stops moving is hung; printed lines are never parsed.
+    exit_code      written when the command ends; absent after a SIGKILL (preemption, OOM killer)
+
+Before a new run, whatever still holds the TPU (a leftover probe, an older run: any process with
+/dev/accel* or /dev/vfio/* open) is killed, then libtpu's lockfile is removed (as maxtext's runner
+does): a held TPU makes every restart fail.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -36,12 +43,13 @@ import urllib.request
 
 DEFAULT_STATE = os.path.join("~", ".flaxchat", "run")
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"  # a stale one makes the TPU look busy to the next run
+TPU_DEVICES = "/dev/accel*:/dev/vfio/*"  # v4/v5p expose /dev/accelN, v5e/v6e /dev/vfio/N
+DEVICES_ENV = "FLAXCHAT_TPU_DEVICES"  # another list (a rehearsal's stand-in device files)
+PROGRESS_ENV = "FLAXCHAT_PROGRESS_FILE"  # flaxchat.progress.ENV (this file imports nothing of flaxchat)
+PROGRESS_SCHEMA = 1
+STARTUP_GRACE_S = 10.0  # a supervisor that has not started its child by then is gone
 METADATA_WORKER_URL = ("http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
                        "agent-worker-number")
-
-# nanochat-style progress line: "step 00010/00100 | loss 3.2104 | ... | tok/s 12,345 | ..."
-STEP_RE = re.compile(r"step\s+(\d+)(?:\s*/\s*(\d+))?.*?\bloss\s+([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
-TOKS_RE = re.compile(r"tok/s\s+([\d,]+(?:\.\d+)?)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,7 +75,8 @@ def worker_id() -> int:
 def _paths(state_dir: str) -> dict:
     d = os.path.expanduser(state_dir)
     return {k: os.path.join(d, f) for k, f in
-            [("dir", ""), ("run", "run.json"), ("log", "output.log"), ("hb", "heartbeat"), ("exit", "exit_code")]}
+            [("dir", ""), ("run", "run.json"), ("log", "output.log"), ("progress", "progress.json"),
+             ("exit", "exit_code")]}
 
 
 def _read_json(path: str):
@@ -121,8 +130,51 @@ def make_redactor(secrets):
 # --- start / supervise / stop ----------------------------------------------------------------
 
 
+def tpu_holders(patterns: str | None = None) -> list[int]:
+    """Pids (not this one) with a TPU device file open, found through /proc/*/fd."""
+    patterns = patterns or os.environ.get(DEVICES_ENV) or TPU_DEVICES
+    devices = {os.path.realpath(d) for pat in patterns.split(":") if pat for d in glob.glob(os.path.expanduser(pat))}
+    holders = []
+    if not devices or not os.path.isdir("/proc"):
+        return holders
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.path.realpath(f"/proc/{entry}/fd/{fd}") in devices:
+                    holders.append(int(entry))
+                    break
+            except OSError:
+                pass
+    return holders
+
+
+def free_tpu(grace: float = 5.0) -> list[int]:
+    """Kill whatever holds the TPU (TERM, then KILL), then remove libtpu's lockfile; the pids killed."""
+    holders = tpu_holders()
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for pid in holders:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + wait
+        while time.time() < deadline and any(_pid_alive(p) for p in holders):
+            time.sleep(0.05)
+        if not any(_pid_alive(p) for p in holders):
+            break
+    if os.path.exists(LIBTPU_LOCKFILE):
+        os.remove(LIBTPU_LOCKFILE)
+    return holders
+
+
 def start(state_dir: str, run_id: str, command: str, env_file: str = "", cwd: str = ".",
-          marker: str = "", replace: bool = False) -> dict:
+          marker: str = "", replace: bool = False, venv: str = "") -> dict:
     p = _paths(state_dir)
     current = status(state_dir)
     if current["alive"]:
@@ -130,22 +182,24 @@ def start(state_dir: str, run_id: str, command: str, env_file: str = "", cwd: st
             return {"worker": worker_id(), "started": False,
                     "error": f"a run is already going (run {current['run_id']}, pid {current['pid']})"}
         stop(state_dir)
-    if replace and os.path.exists(LIBTPU_LOCKFILE):
-        os.remove(LIBTPU_LOCKFILE)
+    freed = free_tpu() if replace else []
     os.makedirs(p["dir"], exist_ok=True)
-    for key in ("exit", "hb"):
+    for key in ("exit", "progress"):
         if os.path.exists(p[key]):
             os.remove(p[key])
     with open(p["log"], "a") as f:
         f.write(f"=== flaxchat run {run_id} started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
-    _write_json(p["run"], {"run_id": run_id, "command": command, "env_file": os.path.abspath(os.path.expanduser(env_file)) if env_file else "",
+        if freed:
+            f.write(f"flaxchat: killed {len(freed)} leftover process(es) that held the TPU: {freed}\n")
+    _write_json(p["run"], {"run_id": run_id, "command": command,
+                           "env_file": os.path.abspath(os.path.expanduser(env_file)) if env_file else "",
                            "cwd": os.path.abspath(os.path.expanduser(cwd)), "marker": marker,
+                           "venv": os.path.abspath(os.path.expanduser(venv)) if venv else "",
                            "started_at": time.time(), "child_pid": None})
-    open(p["hb"], "w").close()
     subprocess.Popen([sys.executable, os.path.abspath(__file__), "_supervise", "--state-dir", state_dir],
                      start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, close_fds=True)
-    deadline = time.time() + 10
+    deadline = time.time() + STARTUP_GRACE_S
     while time.time() < deadline:
         run = _read_json(p["run"]) or {}
         if run.get("child_pid") or os.path.exists(p["exit"]):
@@ -161,9 +215,13 @@ def supervise(state_dir: str) -> int:
     redact = make_redactor([env_vars.get(k, "") for k in secret_keys])
     wid = worker_id()
     env = {**os.environ, **env_vars, "FLAXCHAT_WORKER_ID": str(wid), "JAX_PROCESS_ID": str(wid),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", PROGRESS_ENV: p["progress"]}
     if "JAX_COORDINATOR_ADDRESS" not in env_vars:
         env.pop("JAX_PROCESS_ID")
+    if run.get("venv"):  # what `source venv/bin/activate` does: `python` is the venv's
+        env["VIRTUAL_ENV"] = run["venv"]
+        env["PATH"] = os.path.join(run["venv"], "bin") + os.pathsep + env.get("PATH", "")
+        env.pop("PYTHONHOME", None)
     log = open(p["log"], "a", buffering=1)
     try:
         child = subprocess.Popen(["bash", "-c", run["command"]], cwd=run["cwd"], env=env,
@@ -178,7 +236,6 @@ def supervise(state_dir: str) -> int:
     _write_json(p["run"], run)
     for line in child.stdout:
         log.write(redact(line))
-        os.utime(p["hb"])
     code = child.wait()
     code = code if code >= 0 else 128 - code  # killed by signal N -> 128+N, as a shell reports it
     _write_json(p["exit"], {"exit_code": code, "ended_at": time.time()})
@@ -195,6 +252,8 @@ def stop(state_dir: str, grace: float = 10.0) -> dict:
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(int(pid), sig)
+            if sig == signal.SIGTERM:  # a stopped (SIGSTOP) process acts on TERM only once continued
+                os.killpg(int(pid), signal.SIGCONT)
         except ProcessLookupError:
             break
         deadline = time.time() + wait
@@ -218,45 +277,43 @@ def _tail(path: str, n: int, max_bytes: int = 256 * 1024) -> list[str]:
         return []
 
 
-def parse_progress(lines) -> dict:
-    """step / steps / loss / tok/s from the last progress line among `lines`."""
-    for line in reversed(list(lines)):
-        m = STEP_RE.search(line)
-        if m:
-            toks = TOKS_RE.search(line)
-            return {"step": int(m.group(1)), "steps": int(m.group(2)) if m.group(2) else None,
-                    "loss": float(m.group(3)), "tok_s": float(toks.group(1).replace(",", "")) if toks else None}
-    return {"step": None, "steps": None, "loss": None, "tok_s": None}
+def read_progress(path: str) -> dict | None:
+    """The last record of a progress file (flaxchat.progress, schema 1), or None."""
+    record = _read_json(path)
+    return record if isinstance(record, dict) and record.get("schema") == PROGRESS_SCHEMA else None
 
 
 def marker_exists(marker: str, cwd: str):
-    if not marker:
+    """The completion marker on this worker's disk; None for a gs:// one (the launcher looks there,
+    once, from outside: every worker asking the bucket on each poll would be N calls for one answer)."""
+    if not marker or "://" in marker:
         return None
-    if marker.startswith("gs://"):
-        try:
-            return subprocess.run(["gcloud", "storage", "ls", marker], capture_output=True, timeout=60).returncode == 0
-        except Exception:
-            return None
     return os.path.exists(os.path.join(cwd, os.path.expanduser(marker)))
+
+
+def _state(run: dict, ended) -> tuple[str, bool]:
+    alive = _pid_alive(run.get("child_pid")) and ended is None
+    state = "none" if not run else "running" if alive else "exited" if ended else "killed"
+    if run and not alive and not ended and not run.get("child_pid"):
+        state = "starting" if time.time() - run.get("started_at", 0) < STARTUP_GRACE_S else "killed"
+        alive = state == "starting"
+    return state, alive
 
 
 def status(state_dir: str, marker: str = "") -> dict:
     p = _paths(state_dir)
     run = _read_json(p["run"]) or {}
     ended = _read_json(p["exit"])
-    alive = _pid_alive(run.get("child_pid")) and ended is None
-    state = "none" if not run else "running" if alive else "exited" if ended else "killed"
-    if run and not alive and not ended and not run.get("child_pid"):
-        state = "starting" if time.time() - run.get("started_at", 0) < 10 else "killed"
-        alive = state == "starting"
+    state, alive = _state(run, ended)
     lines = _tail(p["log"], 200)
     header = f"=== flaxchat run {run.get('run_id')} started"
     starts = [i for i, ln in enumerate(lines) if ln.startswith(header)]
     lines = [ln for ln in lines[starts[-1] + 1 if starts else 0:] if not ln.startswith("=== flaxchat run")]
-    try:
-        hb_age = max(0.0, time.time() - os.path.getmtime(p["hb"]))
-    except OSError:
-        hb_age = None
+    progress = read_progress(p["progress"]) or {}
+    now = time.time()
+    # Seconds since this process last finished a step (by this VM's clock); before its first step,
+    # since the run started (start-up and the first compile count against the same deadline).
+    since = progress.get("time") or run.get("started_at")
     where = p["dir"]
     while not os.path.exists(where):  # the disk the run writes to: the state folder's, or its parent's
         where = os.path.dirname(where)
@@ -265,7 +322,9 @@ def status(state_dir: str, marker: str = "") -> dict:
     return {"worker": worker_id(), "run_id": run.get("run_id"), "state": state, "alive": alive,
             "pid": run.get("child_pid"), "exit_code": ended["exit_code"] if ended else None,
             "command": run.get("command"), "last_line": lines[-1] if lines else "",
-            **parse_progress(lines), "heartbeat_age": hb_age,
+            "step": progress.get("step"), "steps": progress.get("steps"), "loss": progress.get("loss"),
+            "tok_s": progress.get("tok_s"), "stage": progress.get("stage"),
+            "progress_age": max(0.0, now - since) if since else None,
             "disk_used_pct": round(100.0 * disk.used / disk.total, 1), "disk_free_gb": round(disk.free / 1e9, 1),
             "complete": marker_exists(marker or run.get("marker", ""), cwd)}
 
@@ -280,7 +339,7 @@ def logs(state_dir: str, lines: int = 50, follow: bool = False, prefix: bool = F
     pos = os.path.getsize(p["log"]) if os.path.exists(p["log"]) else 0
     partial = ""
     while True:
-        ended = os.path.exists(p["exit"]) or not status(state_dir)["alive"]
+        ended = os.path.exists(p["exit"]) or not _state(_read_json(p["run"]) or {}, _read_json(p["exit"]))[1]
         try:
             with open(p["log"], "rb") as f:
                 f.seek(pos)
@@ -317,21 +376,18 @@ def probe(env_file: str, cwd: str) -> dict:
 
 
 def checkpoints(directory: str, cwd: str = ".") -> dict:
-    """Orbax steps under `directory`: `complete` (finalized) and `partial` (a save cut short)."""
+    """Orbax steps in a folder on this worker's disk: `complete` and `partial` (a save cut short).
+    (A gs:// folder is listed by the launcher itself: it needs no VM.) On a local disk Orbax writes
+    `<step>.orbax-checkpoint-tmp-*` and renames it; on GCS it writes `<step>` and marks it with
+    commit_success.txt last; a step counts only with its marker."""
+    root = os.path.join(os.path.expanduser(cwd), os.path.expanduser(directory))
+    names = os.listdir(root) if os.path.isdir(root) else []
     complete, partial = [], []
-    if directory.startswith("gs://"):
-        out = subprocess.run(["gcloud", "storage", "ls", directory.rstrip("/") + "/"], capture_output=True, text=True)
-        names = [ln.rstrip("/").rsplit("/", 1)[-1] for ln in out.stdout.splitlines()]
-        is_final = lambda name: True  # on GCS Orbax only writes the final name after commit
-    else:
-        root = os.path.join(os.path.expanduser(cwd), os.path.expanduser(directory))
-        names = os.listdir(root) if os.path.isdir(root) else []
-        is_final = lambda name: any(os.path.exists(os.path.join(root, name, f))
-                                    for f in ("_CHECKPOINT_METADATA", "commit_success.txt"))
     for name in names:
-        if name.isdigit() and is_final(name):
+        if name.isdigit() and any(os.path.exists(os.path.join(root, name, f))
+                                  for f in ("_CHECKPOINT_METADATA", "commit_success.txt")):
             complete.append(int(name))
-        elif name.split(".")[0].isdigit():  # "<step>.orbax-checkpoint-tmp-*", or a step never committed
+        elif name.split(".")[0].isdigit():
             partial.append(name)
     return {"worker": worker_id(), "complete": sorted(complete), "partial": sorted(partial)}
 
@@ -345,6 +401,7 @@ def main(argv=None) -> int:
     ap.add_argument("--env-file", default="")
     ap.add_argument("--cwd", default=".")
     ap.add_argument("--marker", default="")
+    ap.add_argument("--venv", default="", help="start: the setup's venv, first on the command's PATH")
     ap.add_argument("--replace", action="store_true", help="stop a run that is still going first")
     ap.add_argument("--lines", type=int, default=50)
     ap.add_argument("--follow", action="store_true")
@@ -360,7 +417,8 @@ def main(argv=None) -> int:
         logs(args.state_dir, args.lines, args.follow, args.prefix)
         return 0
     if args.verb == "start":
-        out = start(args.state_dir, args.run_id, command, args.env_file, args.cwd, args.marker, args.replace)
+        out = start(args.state_dir, args.run_id, command, args.env_file, args.cwd, args.marker, args.replace,
+                    args.venv)
     elif args.verb == "status":
         out = status(args.state_dir, args.marker)
     elif args.verb == "stop":

@@ -1,26 +1,40 @@
-"""A local stand-in for the `gcloud compute tpus` commands the launcher uses: rehearse a pod here.
+"""A local stand-in for the `gcloud` commands the launcher uses: rehearse a whole pod on this machine.
 
 Google's servers cannot be reached from a laptop rehearsal or from CI, so this answers the same
-command lines with real work on this machine:
+command lines with real work here, and is as unkind as Google where a pod's trouble comes from:
 
     gcloud compute tpus tpu-vm create|describe|delete|ssh|scp ...
     gcloud compute tpus queued-resources create|describe|delete ...
+    gcloud storage ls|cp ...            (gs://BUCKET/PATH is a folder beside the VMs: bucket.py)
 
-State lives on disk under $FLAXCHAT_GCLOUD_EMULATOR_DIR (default ~/.flaxchat/emulator): one JSON
-file per TPU VM and one folder per worker (`worker-<i>/`), which is that worker's HOME and the
-current folder of its `ssh --command`. Commands really run, as local processes, concurrently on
-every worker for `--worker=all`. `describe --format=json` answers in Google's JSON shape; errors
-are printed like gcloud's (`ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: ...`) with its
-exit codes. A new VM goes CREATING -> READY after $FLAXCHAT_GCLOUD_EMULATOR_CREATE_SECONDS (2 s).
+State lives under $FLAXCHAT_GCLOUD_EMULATOR_DIR (default ~/.flaxchat/emulator): one JSON file per
+TPU VM and one folder per worker (`worker-<i>/`), that worker's HOME and its disk (deleting the VM
+deletes it, so whatever a run kept there is lost, as on Google's). Commands really run, as local
+processes, concurrently on every worker for `--worker=all`. `describe --format=json` answers in
+Google's JSON shape; errors are printed like gcloud's (`ERROR: (gcloud.compute.tpus.tpu-vm.describe)
+NOT_FOUND: ...`) with its exit codes. A new VM goes CREATING -> READY after
+$FLAXCHAT_GCLOUD_EMULATOR_CREATE_SECONDS (2 s); a queued resource ACCEPTED -> PROVISIONING -> ACTIVE.
+
+Each worker is a stock TPU VM image: `python3` is Python 3.10 with nothing installed (a shim that
+says 3.10, refuses `pip install -e .` as pip does for a package that requires >= 3.11, and runs
+without this machine's site-packages), there is no `python`, JAX sees CPU devices (one per chip of
+the slice), `/dev/accel0` is a file in the worker's folder, and gs:// reaches the rehearsal bucket.
+Only what the job itself prints is printed: on a real pod that is process 0.
 
 Admin verbs (for tests and for rehearsing trouble):
 
-    python -m flaxchat.cloud.emulator preempt NAME --zone Z [--project P]   # SIGKILL all, PREEMPTED
-    python -m flaxchat.cloud.emulator set-state NAME STATE --zone Z [--project P]
-    python -m flaxchat.cloud.emulator unreachable NAME --worker I --zone Z [--project P] [--off]
-    python -m flaxchat.cloud.emulator fail-next VERB "MESSAGE"   # next `VERB` fails like gcloud
-    python -m flaxchat.cloud.emulator list
-    python -m flaxchat.cloud.emulator install-shim DIR           # write DIR/gcloud
+    python -m flaxchat.cloud.rehearsal.emulator preempt NAME --zone Z [--project P]   # SIGKILL, PREEMPTED
+    python -m flaxchat.cloud.rehearsal.emulator set-state NAME STATE --zone Z [--project P]
+    python -m flaxchat.cloud.rehearsal.emulator set-health NAME HEALTH --zone Z [--project P]
+    python -m flaxchat.cloud.rehearsal.emulator unreachable NAME --worker I --zone Z [--off]
+    python -m flaxchat.cloud.rehearsal.emulator fail-next VERB "MESSAGE" [--times N] [--in-zone Z]
+    python -m flaxchat.cloud.rehearsal.emulator stockout ZONE [--times N]     # "no more capacity"
+    python -m flaxchat.cloud.rehearsal.emulator list
+    python -m flaxchat.cloud.rehearsal.emulator install-shim DIR           # write DIR/gcloud
+
+`fail-next queued-resources.provision "MESSAGE"` makes the next queued resource go FAILED with that
+message (Google accepts the request, then fails it); `set-state` on a spot VM makes its queued
+resource SUSPENDED, as a preemption does.
 """
 
 from __future__ import annotations
@@ -43,7 +57,8 @@ STATE_ENV = "FLAXCHAT_GCLOUD_EMULATOR_DIR"
 DELAY_ENV = "FLAXCHAT_GCLOUD_EMULATOR_CREATE_SECONDS"
 TAG_ENV = "FLAXCHAT_EMULATOR_VM"  # every process of a worker carries it, so preempt finds them all
 ORIG_PYTHONPATH_ENV = "FLAXCHAT_EMULATOR_ORIG_PYTHONPATH"
-EMULATOR_LABEL = "flaxchat-emulator"
+BUCKETS_ENV = "FLAXCHAT_REHEARSAL_BUCKETS"  # see bucket.py
+DEVICES_ENV = "FLAXCHAT_TPU_DEVICES"  # worker.py: where the TPU's device files are (real VM: /dev/accel*)
 WORKER_IP = "127.0.0.1"  # all workers share this machine's loopback, described as internal IPs
 
 # Which TPU generations each zone offers (Google's "TPU regions and zones" page, abridged).
@@ -62,6 +77,10 @@ ZONES = {
 }
 VALUE_FLAGS = {"zone", "project", "accelerator-type", "version", "runtime-version", "node-id", "worker",
                "command", "format", "verbosity"}
+# What Google says when a zone has no TPUs of the type to give (the create fails; nothing is made).
+STOCKOUT = ('RESOURCE_EXHAUSTED: There is no more capacity in the zone "{zone}"; you can try in another '
+            "zone where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions) "
+            "[EID: 0x5f3a9c2e1b7d4086]")
 BOOL_FLAGS = {"preemptible", "spot", "quiet", "recurse", "force", "async"}
 
 
@@ -141,9 +160,6 @@ def describe_json(node: dict) -> dict:
     """The node in Google's `describe --format=json` shape."""
     out = {k: node[k] for k in ("name", "acceleratorType", "state", "runtimeVersion", "createTime", "health",
                                 "networkEndpoints", "apiVersion", "id")}
-    # A label (a real field of Google's shape) tells the launcher these workers share this machine's
-    # Python, so it must not run the TPU install (pip install jax[tpu]) on them.
-    out["labels"] = {EMULATOR_LABEL: "true"}
     sched = {k: True for k in ("preemptible", "spot") if node["scheduling"].get(k)}
     if sched:  # Google omits schedulingConfig fields that are false
         out["schedulingConfig"] = sched
@@ -195,22 +211,77 @@ def _worker_dirs(project, zone, name):
     return [os.path.join(d, w) for w in sorted(os.listdir(d))] if os.path.isdir(d) else []
 
 
-def _worker_env(project, zone, name, worker) -> dict:
+def buckets_root() -> str:
+    return os.path.join(state_root(), "buckets")
+
+
+PYTHON310 = """#!/bin/sh
+# python3 of a stock Cloud TPU VM image (Ubuntu 22.04): Python 3.10, nothing of flaxchat's installed.
+REAL="{real}"
+case "$1" in --version|-V) echo "Python 3.10.12"; exit 0;; esac
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
+  for a in "$@"; do
+    case "$a" in
+      -e|.|-e.|./*|".["*)
+        echo "ERROR: Package 'flaxchat' requires a different Python: 3.10.12 not in '>=3.11'" >&2
+        exit 1;;
+    esac
+  done
+  exec "$REAL" "$@"
+fi
+exec "$REAL" -S "$@"  # no site-packages: the image has none of this machine's
+"""
+
+
+def _image() -> dict:
+    """The stock image every emulated worker boots: python3 (3.10), no python, gs:// to the bucket."""
+    base = os.path.join(state_root(), "image")
+    bin_dir, site = os.path.join(base, "bin"), os.path.join(base, "site")
+    os.makedirs(bin_dir, exist_ok=True)
+    os.makedirs(site, exist_ok=True)
+    files = {os.path.join(bin_dir, "python3"): PYTHON310.format(real=sys.executable),
+             os.path.join(bin_dir, "python"): '#!/bin/sh\necho "bash: python: command not found" >&2\nexit 127\n',
+             os.path.join(site, "sitecustomize.py"): "import flaxchat_rehearsal_bucket as b\nb.install()\n"}
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bucket.py")) as f:
+        files[os.path.join(site, "flaxchat_rehearsal_bucket.py")] = f.read()
+    for path, text in files.items():
+        try:
+            with open(path) as f:
+                if f.read() == text:
+                    continue
+        except OSError:
+            pass
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    return {"bin": bin_dir, "site": site}
+
+
+def _worker_env(project, zone, name, worker, node=None) -> dict:
     env = dict(os.environ)
     home = worker_dir(project, zone, name, worker)
+    image = _image()
     env.update({"HOME": home, "FLAXCHAT_WORKER_ID": str(worker), TAG_ENV: f"{project}/{zone}/{name}/{worker}"})
-    # The worker's python is the one running the emulator (it has JAX); put it first on PATH.
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = image["bin"] + os.pathsep + env.get("PATH", "")
     original = env.pop(ORIG_PYTHONPATH_ENV, None)  # the shim's own PYTHONPATH is not the worker's
-    if original is not None:
-        if original:
-            env["PYTHONPATH"] = original
-        else:
-            env.pop("PYTHONPATH", None)
+    if original is None:
+        original = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = image["site"] + (os.pathsep + original if original else "")
     env.pop(STATE_ENV, None)
-    # Every worker shares this machine's Python: a pip install meant for a real VM would change it
-    # for everyone (and point it at a worker folder). Make any pip install a dry run.
-    env["PIP_DRY_RUN"] = "1"
+    env.pop("VIRTUAL_ENV", None)
+    env[BUCKETS_ENV] = buckets_root()
+    # The VM's machine environment: no TPU here, so JAX uses as many CPU devices as the slice has
+    # chips per worker (a job's own env file may say otherwise, and wins).
+    accel = (node or {}).get("acceleratorType")
+    chips = TOPOLOGIES[accel].chips_per_worker if accel in TOPOLOGIES else 1
+    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={chips}"})
+    dev = os.path.join(home, "_dev")
+    os.makedirs(dev, exist_ok=True)
+    if not os.path.exists(os.path.join(dev, "accel0")):
+        open(os.path.join(dev, "accel0"), "w").close()
+    env[DEVICES_ENV] = os.path.join(dev, "accel*")
     return env
 
 
@@ -234,7 +305,7 @@ def run_on_workers(project, zone, name, node, workers, command) -> int:
             continue
         home = worker_dir(project, zone, name, w)
         os.makedirs(home, exist_ok=True)
-        p = subprocess.Popen(["bash", "-c", command], cwd=home, env=_worker_env(project, zone, name, w),
+        p = subprocess.Popen(["bash", "-c", command], cwd=home, env=_worker_env(project, zone, name, w, node),
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True)
         threads = [threading.Thread(target=_pump, args=(s, o, lock), daemon=True)
@@ -458,11 +529,16 @@ def queued_resources(verb: str, args: list[str]) -> int:
             if spec is not None:
                 raise GcloudFail(f"ALREADY_EXISTS: Resource 'projects/{project}/locations/{zone}/queuedResources/{qr}' already exists")
             node = f.get("node-id") or qr
-            _new_node(project, zone, node, f.get("accelerator-type"), f.get("runtime-version") or "",
-                      {"spot": bool(f.get("spot"))}, qr=qr)
+            failed = _take_fault_unlocked("queued-resources.provision", zone)
+            if failed is None:  # Google accepts the request; a FAILED one never gets its node
+                _new_node(project, zone, node, f.get("accelerator-type"), f.get("runtime-version") or "",
+                          {"spot": bool(f.get("spot"))}, qr=qr)
+            else:
+                _check_accelerator(zone, f.get("accelerator-type"))
             _write(path, {"name": qr, "node": node, "accelerator": f.get("accelerator-type"),
                           "runtimeVersion": f.get("runtime-version"), "spot": bool(f.get("spot")),
-                          "createTime": _now_iso()})
+                          "createTime": _now_iso(), "created": time.time(),
+                          "failed": failed and {"code": 9, "message": failed["message"]}})
             print(f"Create request issued for: [{qr}]", file=sys.stderr)
             return 0
         if spec is None:
@@ -484,20 +560,79 @@ def queued_resources(verb: str, args: list[str]) -> int:
 
 
 def _qr_json(project, zone, spec, node) -> dict:
-    if node is None:
+    extra = {}
+    delay = float(os.environ.get(DELAY_ENV, "2"))
+    if spec.get("failed"):
         state = "FAILED"
+        extra["failedData"] = {"error": spec["failed"]}
+    elif node is None:
+        state = "SUSPENDED"  # its node went away (a preemption, or a delete behind its back)
     else:
         node_state = load_node(project, zone, spec["node"])["state"]
         state = {"READY": "ACTIVE", "CREATING": "PROVISIONING", "PREEMPTED": "SUSPENDED",
                  "TERMINATED": "SUSPENDED"}.get(node_state, "ACTIVE")
+        if state == "PROVISIONING" and time.time() < spec.get("created", 0) + delay / 2:
+            state = "ACCEPTED"
     out = {"name": f"projects/{project}/locations/{zone}/queuedResources/{spec['name']}",
-           "createTime": spec["createTime"], "state": {"state": state},
+           "createTime": spec["createTime"], "state": {"state": state, **extra},
            "tpu": {"nodeSpec": [{"nodeId": spec["node"], "parent": f"projects/{project}/locations/{zone}",
                                  "node": {"acceleratorType": spec["accelerator"],
                                           "runtimeVersion": spec["runtimeVersion"]}}]}}
     if spec["spot"]:
         out["spot"] = {}
     return out
+
+
+# --- gcloud storage over the rehearsal bucket -------------------------------------------------
+
+
+def _bucket_path(url: str) -> str:
+    if not url.startswith("gs://"):
+        raise GcloudFail(f"Invalid URL: {url} (the rehearsal bucket has gs:// URLs only).", 1)
+    return os.path.join(buckets_root(), url[len("gs://"):])
+
+
+def storage(verb: str, args: list[str]) -> int:
+    """`gcloud storage ls URL...` (wildcards allowed) and `gcloud storage cp [--recursive] SRC DEST`."""
+    import glob as globmod
+
+    flags = [a for a in args if a.startswith("-")]
+    pos = [a for a in args if not a.startswith("-")]
+    if verb == "ls":
+        lines = []
+        for url in pos:
+            local = _bucket_path(url)
+            if any(c in url for c in "*?["):
+                matches = sorted(globmod.glob(local))
+            elif url.endswith("/") or os.path.isdir(local):
+                matches = sorted(os.path.join(local, n) for n in os.listdir(local)) if os.path.isdir(local) else []
+            else:
+                matches = [local] if os.path.isfile(local) else []
+            for m in matches:
+                rel = os.path.relpath(m, buckets_root()).replace(os.sep, "/")
+                lines.append(f"gs://{rel}/" if os.path.isdir(m) else f"gs://{rel}")
+        if not lines:
+            raise GcloudFail("One or more URLs matched no objects.", 1)
+        print("\n".join(lines))
+        return 0
+    if verb == "cp":
+        if len(pos) != 2:
+            raise GcloudFail("cp needs a source and a destination.", 2)
+        src, dest = pos
+        local_src = _bucket_path(src.rstrip("/"))
+        if not os.path.exists(local_src):
+            raise GcloudFail(f"The following URLs matched no objects or files:\n-{src}", 1)
+        if dest.startswith("gs://"):
+            raise GcloudFail("bucket-to-bucket copies are not emulated.", 2)
+        target = os.path.join(dest, os.path.basename(local_src)) if os.path.isdir(dest) else dest
+        if os.path.isdir(local_src):
+            if not {"-r", "--recursive", "-R"} & set(flags):
+                raise GcloudFail(f"Source URL {src} is a folder; pass --recursive.", 1)
+            shutil.copytree(local_src, target, dirs_exist_ok=True)
+        else:
+            shutil.copy2(local_src, target)
+        return 0
+    raise GcloudFail(f"Invalid choice: '{verb}'.", 2)
 
 
 # --- admin verbs (not gcloud's: for tests and rehearsals) --------------------------------------
@@ -529,24 +664,52 @@ def set_unreachable(name: str, zone: str, project: str, worker: int, on: bool = 
         _write(_node_file(project, zone, name), node)
 
 
-def fail_next(verb: str, message: str, code: int = 1) -> None:
-    """Make the next gcloud `verb` (e.g. "create", "tpu-vm.ssh") fail with `message`, as gcloud would."""
+def fail_next(verb: str, message: str, code: int = 1, times: int = 1, zone: str | None = None) -> None:
+    """Make the next `times` gcloud `verb`s (e.g. "create", "tpu-vm.ssh"; in `zone` only, if given)
+    fail with `message`, as gcloud would."""
     path = os.path.join(state_root(), "faults.json")
     with _locked():
         faults = _read(path) or []
-        faults.append({"verb": verb, "message": message, "code": code})
+        faults += [{"verb": verb, "message": message, "code": code, "zone": zone}] * times
         _write(path, faults)
 
 
-def _take_fault(group: str, verb: str):
-    path = os.path.join(state_root(), "faults.json")
-    with _locked():
-        faults = _read(path) or []
-        for i, fault in enumerate(faults):
-            if fault["verb"] in (verb, f"{group}.{verb}"):
-                _write(path, faults[:i] + faults[i + 1:])
-                return fault
+def stockout(zone: str, times: int = 1) -> None:
+    """The next `times` creates in `zone` (VM or queued resource) fail as Google's do in a stockout."""
+    for verb in ("tpu-vm.create", "queued-resources.create"):
+        fail_next(verb, STOCKOUT.format(zone=zone), 1, times, zone)
+
+
+def _arg_zone(args: list[str]):
+    for i, a in enumerate(args):
+        if a.startswith("--zone="):
+            return a.split("=", 1)[1]
+        if a == "--zone" and i + 1 < len(args):
+            return args[i + 1]
     return None
+
+
+def _take_fault(group: str, verb: str, zone: str | None = None):
+    with _locked():
+        return _take_fault_unlocked(f"{group}.{verb}", zone)
+
+
+def _take_fault_unlocked(verb: str, zone: str | None = None):
+    path = os.path.join(state_root(), "faults.json")
+    faults = _read(path) or []
+    for i, fault in enumerate(faults):
+        if fault["verb"] in (verb, verb.split(".")[-1]) and fault.get("zone") in (None, zone):
+            _write(path, faults[:i] + faults[i + 1:])
+            return fault
+    return None
+
+
+def set_health(name: str, zone: str, project: str, health: str) -> None:
+    """Google's `health` field of a READY node (HEALTHY, TIMEOUT, UNHEALTHY_MAINTENANCE, ...)."""
+    with _locked():
+        node = load_node(project, zone, name)
+        node["health"] = health
+        _write(_node_file(project, zone, name), node)
 
 
 def list_nodes() -> list[dict]:
@@ -570,15 +733,15 @@ def install_shim(bin_dir: str) -> str:
     installed; the worker commands get the original PYTHONPATH back (see _worker_env).
     """
     os.makedirs(bin_dir, exist_ok=True)
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pkg_parent = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     path = os.path.join(bin_dir, "gcloud")
     script = (
         "#!/bin/sh\n"
-        "# flaxchat's local emulation of the gcloud TPU commands (python -m flaxchat.cloud.emulator)\n"
+        "# flaxchat's local emulation of the gcloud TPU commands (python -m flaxchat.cloud.rehearsal.emulator)\n"
         f'export {ORIG_PYTHONPATH_ENV}="${{{ORIG_PYTHONPATH_ENV}-${{PYTHONPATH-}}}}"\n'
         f'export PYTHONPATH="{pkg_parent}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
         # -S: the emulator needs only the standard library and flaxchat; skipping site saves time per call
-        f'exec "{sys.executable}" -S -m flaxchat.cloud.emulator "$@"\n'
+        f'exec "{sys.executable}" -S -m flaxchat.cloud.rehearsal.emulator "$@"\n'
     )
     tmp = path + f".tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -591,15 +754,18 @@ def install_shim(bin_dir: str) -> str:
 def _admin(argv: list[str]) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m flaxchat.cloud.emulator",
+    ap = argparse.ArgumentParser(prog="python -m flaxchat.cloud.rehearsal.emulator",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("verb", choices=["preempt", "set-state", "unreachable", "fail-next", "list", "install-shim"])
+    ap.add_argument("verb", choices=["preempt", "set-state", "set-health", "unreachable", "fail-next", "stockout",
+                                     "list", "install-shim"])
     ap.add_argument("args", nargs="*", help="NAME [STATE] | VERB MESSAGE | DIR")
     ap.add_argument("--zone")
     ap.add_argument("--project", default=None)
     ap.add_argument("--worker", type=int, default=0)
     ap.add_argument("--off", action="store_true")
     ap.add_argument("--code", type=int, default=1)
+    ap.add_argument("--times", type=int, default=1)
+    ap.add_argument("--in-zone", default=None, help="fail-next: only for commands in this zone")
     a = ap.parse_args(argv)
     if a.verb == "list":
         for n in list_nodes():
@@ -609,7 +775,10 @@ def _admin(argv: list[str]) -> int:
         print(install_shim(a.args[0] if a.args else os.path.join(state_root(), "bin")))
         return 0
     if a.verb == "fail-next":
-        fail_next(a.args[0], " ".join(a.args[1:]), a.code)
+        fail_next(a.args[0], " ".join(a.args[1:]), a.code, a.times, a.in_zone)
+        return 0
+    if a.verb == "stockout":
+        stockout(a.args[0], a.times)
         return 0
     if not a.args or not a.zone:
         ap.error(f"{a.verb} needs NAME and --zone")
@@ -618,6 +787,8 @@ def _admin(argv: list[str]) -> int:
         print(f"preempted {a.args[0]}: killed {preempt(a.args[0], a.zone, project)} process(es)")
     elif a.verb == "set-state":
         set_state(a.args[0], a.zone, project, a.args[1].upper())
+    elif a.verb == "set-health":
+        set_health(a.args[0], a.zone, project, a.args[1].upper())
     else:
         set_unreachable(a.args[0], a.zone, project, a.worker, not a.off)
     return 0
@@ -632,6 +803,12 @@ def _only_project(name: str, zone: str) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["storage"] and len(argv) >= 2:
+        try:
+            return storage(argv[1], argv[2:])
+        except GcloudFail as e:
+            print(f"ERROR: (gcloud.storage.{argv[1]}) {e}", file=sys.stderr)
+            return e.code
     if argv[:2] != ["compute", "tpus"] or len(argv) < 4:
         if argv and argv[0] in ("compute", "storage", "config", "auth"):
             print(f"ERROR: (gcloud) the flaxchat emulator does not emulate `gcloud {' '.join(argv[:3])}`.",
@@ -641,7 +818,7 @@ def main(argv=None) -> int:
     group, verb, rest = argv[2], argv[3], argv[4:]
     label = f"gcloud.compute.tpus.{group}.{verb}"
     try:
-        fault = _take_fault(group, verb)
+        fault = _take_fault(group, verb, _arg_zone(rest))
         if fault:
             raise GcloudFail(fault["message"], fault["code"])
         if group == "tpu-vm":
