@@ -283,6 +283,7 @@ class NotebookTab:
         self.raw: list[str] = []  # every frame received, as text
         self.messages: list[dict] = []
         self._idle: dict[str, threading.Event] = {}
+        self._seen: dict[str, set] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -304,8 +305,12 @@ class NotebookTab:
                 continue
             self.messages.append(msg)
             parent = (msg.get("parent_header") or {}).get("msg_id")
-            if msg.get("msg_type") == "status" and msg["content"].get("execution_state") == "idle" and parent in self._idle:
-                self._idle[parent].set()
+            if parent in self._idle:  # finished: its idle (iopub) and its reply (shell), in either order
+                kind = msg.get("msg_type")
+                if kind == "execute_reply" or (kind == "status" and msg["content"].get("execution_state") == "idle"):
+                    self._seen.setdefault(parent, set()).add(kind)
+                    if len(self._seen[parent]) == 2:
+                        self._idle[parent].set()
 
     def execute(self, code: str) -> str:
         msg_id = uuid.uuid4().hex
