@@ -501,7 +501,8 @@ class TPULauncher(RemoteRunner):
         self.say(f"stopped the run on TPU VM {self.config.tpu_name}")
 
     def health(self, marker: str | None = None) -> dict:
-        """VM state and, per worker: process, exit code, step/loss/tok/s, heartbeat age, disk, last line."""
+        """VM state and, per worker: process, exit code, step/loss/tok/s and the age of its last step (its
+        progress file), disk, last line. `marker`: the completion marker to look for (default: the last run's)."""
         c = self.config
         node = self.describe()
         state = node.get("state", "UNKNOWN") if node else "NOT_FOUND"
@@ -721,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--startup-check", type=float, default=TPUConfig.startup_check_s,
                      help="--run: seconds to watch for a command that exits at once (default 5)")
     opt.add_argument("--heartbeat-deadline", type=float, default=rec.Policy.heartbeat_deadline_s,
-                     help="--recover: a worker silent this long is hung (s)")
+                     help="--recover: a worker alive whose training step has not moved this long is hung (s)")
     opt.add_argument("--max-restarts", type=int, default=rec.Policy.max_restarts)
     opt.add_argument("--timeout", type=float, help="--wait/--recover: give up after this many seconds")
     opt.add_argument("--install", metavar="CMD",
@@ -787,6 +788,8 @@ def _dry_run_executor(config: TPUConfig, exists: bool) -> g.DryRunExecutor:
         if verb == "describe":
             if not seen["exists"]:
                 raise g.GcloudError("NOT_FOUND (dry run: assuming the VM does not exist yet)")
+            if argv[3] == "queued-resources":
+                return json.dumps({"state": {"state": "ACTIVE"}})
             return json.dumps({"state": "READY", "acceleratorType": config.accelerator_type,
                                "networkEndpoints": [{"ipAddress": f"10.128.0.{i + 2}"} for i in range(n)]})
         if verb == "ssh" and "status" in argv[-1]:
