@@ -74,3 +74,19 @@ def test_device_batches_and_what_fits():
     assert all(l.split()[-5:] == ["y"] * 5 for l in lines), r.stdout  # ~25 MiB fits every chip
     assert "rows v5e  v4 v6e v5p 80G" in r.stdout
     assert "d2 fsdp: up to 2 rows per device fit a 32 GiB chip (v4, v6e)" in r.stdout
+
+
+@pytest.mark.timeout(240)
+def test_device_check_quick_prints_one_table():
+    """bench.device_check --quick on this CPU: the peak line and a row per kernel that runs here, with
+    tok/s, MFU, compile time and XLA's peak memory (CPU keeps no runtime counter). Nothing asserted
+    by the script itself; here only that it runs and reports."""
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_HUGEPAGES="1", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-m", "bench.device_check", "--quick"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "measured bf16 matmul peak" in r.stdout
+    rows = {m[1]: m for m in re.finditer(r"\s+d2\s+(\w+)\s+([\d,]+)\s+([\d.]+)%\s+[\d.]+ms\s+[\d.]+s\s+[\d.]+G\*", r.stdout)}
+    assert set(rows) == {"blockwise", "xla"}, r.stdout
+    assert all(float(m[3]) > 0 for m in rows.values())
