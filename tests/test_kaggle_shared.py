@@ -131,8 +131,9 @@ def test_run_timeout_behind_the_tabs_cell_is_queued_not_an_interrupt(seeded, tab
     side = tmp_path / "ran.txt"
     cell = tab.execute(TAB_CELL.format(n=12))
     time.sleep(0.5)
-    res = runner.run(f"open({str(side)!r}, 'w').write('ran')", timeout=1.0, on_output=quiet)
+    res = runner.run(f"open({str(side)!r}, 'w').write('ran')", timeout=1.0, on_output=quiet, env={"K": "v"})
     assert not res.ok and res.state == "queued" and "cancelled" in res.error_value and res.request_id
+    assert not list((Path(seeded["info"]["src"]).parent / "cells").glob("env-*"))  # its env file is gone too
     assert runner.status().state == "queued"
     assert tab.wait_idle(cell, 30)
     assert tab.reply(cell)["status"] == "ok" and tab.outputs(cell).count("tab ") == 12  # never interrupted

@@ -307,6 +307,8 @@ def execute(conn: KernelConnection, rest: JupyterREST, code: str, *, timeout: fl
         raise
     if failure and failure[0] == "RemoteTimeout":
         failure = _after_timeout(conn, rest, ex, timeout, interrupt_on_timeout, files if tracked else None)
+        if failure[0] == "Queued" and env_file and "cancelled" in failure[1]:
+            _quiet(rest.delete, env_file)  # the cell that would have read (and removed) it will not run
     elif failure is None and tracked and ex.error and ex.error[0] == "KeyboardInterrupt" and not ex.interrupted_by_us:
         failure = _why_interrupted(conn, rest, ex, files, deadline)  # not by us: a restart, or another client
     conn.current = None
