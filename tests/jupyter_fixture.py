@@ -1,4 +1,3 @@
-# READ FIRST: engineers are working in this tree at the same time. The lead's rules (which files are yours, git discipline: path-limited commits only, never git add -A/stash/checkout/reset/clean; CPU limits; the 10:45 UTC deadline; what to report) are in /work/main/WORKING-NOW.md. The lead removes this line.
 """A real Jupyter server on 127.0.0.1 for the remote-runner tests (the Kaggle stand-in), made unkind.
 
 - It serves under a Kaggle-shaped base URL (`/k/123/<signed>/proxy/`), with the default IOPub rate

@@ -1,4 +1,3 @@
-# READ FIRST: engineers are working in this tree at the same time. The lead's rules (which files are yours, git discipline: path-limited commits only, never git add -A/stash/checkout/reset/clean; CPU limits; the 10:45 UTC deadline; what to report) are in /work/main/WORKING-NOW.md. The lead removes this line.
 """The one interface every place flaxchat runs on implements: this machine, a Kaggle kernel, a TPU pod.
 
 Same verbs, same result types, same errors:
