@@ -312,6 +312,8 @@ def test_stockouts_retry_with_backoff_and_fall_back_to_the_next_zone(shared_env,
     node = lc.create()
     assert node["state"] == "READY" and lc.config.zone == "us-central2-a"
     assert lc.remembered()["zone"] == "us-central2-a"  # later calls find it where it is
+    code, _, err = cli(capsys, f"--project={P}", "--tpu-name=capacity", f"--zones={Z},us-central2-a", "--stop")
+    assert code == 0 and "acting on TPU VM 'capacity' (v4-8, zone us-central2-a," in err, err
     text = "\n".join(logs)
     assert [x.split(":")[0] for x in logs if x.startswith("attempt")] == [
         "attempt 1", "attempt 1", "attempt 2", "attempt 2", "attempt 3", "attempt 3", "attempt 4"]

@@ -350,18 +350,21 @@ class TPULauncher(RemoteRunner):
         a typo in --tpu-name or --zone must not leave the real one running unnoticed."""
         c = self.config
         node, qr = self.describe(), self.describe_qr()
-        state = load_state()
-        if state.get("vms", {}).get(c.project, {}).get("tpu_name") == c.tpu_name:
-            del state["vms"][c.project]
-            if not isinstance(self.ex, g.DryRunExecutor):
-                save_state(state)
-        if node is None and qr is None:
+        if node is None and qr is None:  # (and remember it still: it may exist in the zone it was made in)
             raise UserError(f"TPU VM {c.tpu_name} was not found in zone {c.zone} (project {c.project}); nothing "
                             f"was deleted: check --tpu-name and --zone (`gcloud compute tpus tpu-vm list "
                             f"--zone={c.zone}` lists what is there).")
         self.say(f"deleting TPU VM {c.tpu_name} in {c.zone}" + (f" and queued resource {c.queued_resource}"
                                                               if c.spot else ""))
         self._delete()
+        self._forget()
+
+    def _forget(self) -> None:
+        state = load_state()
+        if state.get("vms", {}).get(self.config.project, {}).get("tpu_name") == self.config.tpu_name \
+                and not isinstance(self.ex, g.DryRunExecutor):
+            del state["vms"][self.config.project]
+            save_state(state)
 
     def _wait_for_ssh(self, n: int) -> None:
         """A VM is READY before its workers take ssh (keys are still being pushed): wait for all of them."""
@@ -761,7 +764,7 @@ def resolve_config(args) -> tuple[TPUConfig, str]:
     config.zones = tuple(config.zones or ())
     if args.zones:
         config.zones = tuple(z.strip() for z in args.zones.split(",") if z.strip())
-        if not args.zone and config.zones:
+        if not args.zone and config.zones and not saved:  # a remembered VM is where it was made
             config.zone = config.zones[0]
     if args.capacity_retry_hours is not None:
         config.capacity_retry_s = args.capacity_retry_hours * 3600.0
