@@ -338,3 +338,24 @@ def test_gs_is_a_folder_beside_the_vms_and_gcloud_storage_lists_it(emu):
     assert miss.returncode == 1 and "One or more URLs matched no objects." in miss.stderr
     gc("storage", "cp", "--recursive", "gs://bk/run/checkpoints/10", str(emu), check=True)
     assert (emu / "10" / "meta").read_bytes() == b"x"
+
+
+@pytest.mark.timeout(120)
+def test_orbax_on_the_rehearsal_bucket_writes_steps_as_on_gcs_and_resumes_only_complete_ones(emu):
+    """flaxchat.checkpoint on a gs:// folder, from an emulated worker: Orbax sees a GCS path, so it writes
+    the step under its final name with commit_success.txt last; a step without it (a save cut off by
+    a preemption) is never the one to resume from."""
+    gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-8",
+       "--version=v", check=True)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os, sys; sys.path.insert(0, %r); from flax import nnx; from flaxchat import checkpoint as ck; "
+            "m = nnx.Linear(2, 2, rngs=nnx.Rngs(0)); c = ck.Checkpointer('gs://bk/c'); "
+            "[c.save(s, m, None, {}) for s in (5, 10)]; c.close(); "
+            "os.remove(os.environ['FLAXCHAT_REHEARSAL_BUCKETS'] + '/bk/c/10/commit_success.txt'); "
+            "print('latest', ck.Checkpointer('gs://bk/c').latest_step())") % repo
+    out = _ssh(f"{sys.executable} -c {shlex.quote(code)}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "latest 5" in out.stdout
+    step5 = os.path.join(emulator.buckets_root(), "bk", "c", "5")
+    assert os.path.exists(os.path.join(step5, "commit_success.txt"))
+    assert not [n for n in os.listdir(os.path.dirname(step5)) if "tmp" in n]  # no rename, as on GCS

@@ -88,8 +88,13 @@ def uv_bin() -> str:
     if shutil.which("uv"):
         return os.path.dirname(shutil.which("uv"))
     if not os.path.exists(os.path.join(UV_DIR, "bin", "uv")):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", UV_DIR, "uv"], check=True,
+        tmp = f"{UV_DIR}.tmp{os.getpid()}"  # then renamed: a concurrent test run never sees half of it
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", tmp, "uv"], check=True,
                        timeout=300, capture_output=True)
+        try:
+            os.rename(tmp, UV_DIR)
+        except OSError:  # another run was first
+            shutil.rmtree(tmp, ignore_errors=True)
     return os.path.join(UV_DIR, "bin")
 
 
