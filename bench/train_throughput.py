@@ -5,8 +5,10 @@
 
 Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak
 (the plain formula, full T for every layer). Modes per config:
-  baseline   a straightforward port: jnp.matmul backward, dense TxT masked attention, AdamW, no accumulation
-  flaxchat   the real step (fast-backward matmul, blockwise attention, Muon+AdamW), one micro-batch
+  baseline   a straightforward port: jnp.matmul backward, --attention xla (jax.nn.dot_product_attention, dense
+             TxT masked scores), AdamW, no accumulation
+  flaxchat   the real step (fast-backward matmul, --attention: auto is the blockwise kernel on CPU, Muon+AdamW),
+             one micro-batch
   flaxchat16k  the real step at 16,384 tokens per optimizer step (gradient accumulation in one jit)
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import resource
 import time
@@ -39,20 +42,20 @@ CONFIGS = {
 
 
 @contextlib.contextmanager
-def baseline_kernels():
-    """Swap in the textbook kernels: autodiff matmul and a dense masked attention."""
-    saved = ops.matmul, ops.causal_attention
+def autodiff_matmul():
+    """The baseline's matmul: jnp.matmul with autodiff's backward. (Attention is chosen through the
+    model's `attention` field; the matmul has no such field, its CPU backward being CPU-only.)"""
+    saved = ops.matmul
     ops.matmul = jnp.matmul
-    ops.causal_attention = lambda q, k, v, window, block=0: ops.reference_attention(q, k, v, window)
     try:
         yield
     finally:
-        ops.matmul, ops.causal_attention = saved
+        ops.matmul = saved
 
 
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, depth=cfg.n_layer), Schedule(1000))
+    tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd), Schedule(1000))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
@@ -77,6 +80,7 @@ def main(argv=None):
     p.add_argument("--configs", default="A,B", help="comma-separated: A, B")
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
+    p.add_argument("--attention", default="auto", help="attention kernel of the flaxchat modes (default: %(default)s)")
     args = p.parse_args(argv)
 
     peak = measured_matmul_peak(2048, jnp.float32)
@@ -85,12 +89,12 @@ def main(argv=None):
     print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'compile':>8}")
     for name in args.configs.split(","):
         spec = CONFIGS[name]
-        cfg = spec["cfg"]
+        cfg = dataclasses.replace(spec["cfg"], attention=args.attention)
         T = cfg.sequence_len
         for mode in args.modes.split(","):
             if mode == "baseline":
-                with baseline_kernels():
-                    r = run_mode(cfg, spec["rows"], 1, "adamw", args.steps)
+                with autodiff_matmul():
+                    r = run_mode(dataclasses.replace(cfg, attention="xla"), spec["rows"], 1, "adamw", args.steps)
             elif mode == "flaxchat":
                 r = run_mode(cfg, spec["rows"], 1, "muon", args.steps)
             elif mode == "flaxchat16k":
