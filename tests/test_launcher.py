@@ -251,7 +251,8 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
 def test_setup_builds_a_venv_because_the_image_has_python_310(pod):
     """The seed's `python3 -m pip install -e .` fails on Google's images (Python 3.10); setup's venv
     is 3.11, and the run's `python` is the venv's."""
-    lc = launcher(pod, install_command='python3 -m pip install -q -e . "jax[tpu]"')  # the seed's install
+    lc = launcher(pod, install_command='python3 -m pip install -q -e . "jax[tpu]"',  # the seed's install
+                  sleep=lambda s: None)
     lc.create()
     with pytest.raises(Exception, match="setup failed on TPU VM pod 3 time") as e:
         lc.setup(str(pod / "repo"))
