@@ -120,6 +120,8 @@ def _make_env(base, mp):
         (repo / ".gitignore").write_text("ignored.txt\n")
         (repo / "ignored.txt").write_text("do not upload")
         subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        subprocess.run(["git", "-C", str(repo), "add", "."], check=True)  # uploads take tracked files
+        (repo / ".env").write_text("HF_TOKEN=hf_not_for_the_workers\n")  # untracked, and secret-looking
     return base
 
 
@@ -230,6 +232,7 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
         home = worker_home(w)
         assert os.path.exists(os.path.join(home, "flaxchat", "standin.py"))
         assert os.path.exists(os.path.join(home, "flaxchat", "flaxchat", "cloud", "worker.py"))
+        assert not os.path.exists(os.path.join(home, "flaxchat", ".env"))  # never uploaded
         assert not os.path.exists(os.path.join(home, "flaxchat", "ignored.txt"))  # .gitignore honoured
     code, _, err = cli(capsys, f"--project={P}", "--setup", f"--upload={repo}")
     assert code == 0 and "remembered in" in err and "up to date on all 2 worker(s)" in err
@@ -277,6 +280,7 @@ def test_setup_waits_for_ssh_and_retries(pod):
     assert sum("waiting for ssh on TPU VM pod" in x for x in logs) == 2, logs
     emulator.fail_next("tpu-vm.scp", "[/usr/bin/scp] exited with return code [1].", times=1)
     (pod / "repo" / "new.txt").write_text("changed")
+    subprocess.run(["git", "-C", str(pod / "repo"), "add", "new.txt"], check=True)
     lc.setup(str(pod / "repo"))
     assert any("setup attempt 1 of 3 failed" in x for x in logs), logs
     assert os.path.exists(os.path.join(worker_home(1), "flaxchat", "new.txt"))

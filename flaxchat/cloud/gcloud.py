@@ -235,24 +235,11 @@ def worker_env(coordinator_ip: str, num_processes: int, env: Mapping[str, str] |
 # --- the upload and what the workers print ------------------------------------------------------------
 
 
-def repo_files(root: str) -> list[str]:
-    """Files to upload: `git ls-files` (tracked + untracked not ignored), so .gitignore is honoured."""
-    try:
-        out = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, check=True).stdout.decode()
-        files = [f for f in out.split("\0") if f]
-    except (OSError, subprocess.CalledProcessError):
-        skip = {".git", "__pycache__", ".venv", "runs", ".pytest_cache"}
-        files = [os.path.relpath(os.path.join(d, f), root) for d, dirs, fs in os.walk(root)
-                 for f in fs if not dirs.__setitem__(slice(None), [x for x in dirs if x not in skip])]
-    return sorted(f for f in set(files) if os.path.isfile(os.path.join(root, f)))
-
-
-def make_tarball(root: str, dest: str, extra: str = "") -> str:
-    """Pack the repo into dest; return a hash of the contents (+ extra) that ignores mtimes."""
+def make_tarball(root: str, dest: str, files: list[str], extra: str = "") -> str:
+    """Pack `files` of the repo into dest; return a hash of the contents (+ extra) that ignores mtimes."""
     h = hashlib.sha256(extra.encode())
     with tarfile.open(dest, "w:gz") as tar:
-        for rel in repo_files(root):
+        for rel in files:
             path = os.path.join(root, rel)
             with open(path, "rb") as f:
                 h.update(rel.encode() + b"\0" + f.read())

@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any, Callable, Mapping
 
+from flaxchat import uploads
 from flaxchat.cloud import gcloud as g
 from flaxchat.cloud import recovery as rec
 from flaxchat.cloud.topology import check_process_count, default_runtime_version, topology_for
@@ -409,12 +410,16 @@ class TPULauncher(RemoteRunner):
     def _setup_once(self, root: str, n: int, install: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tarball = os.path.join(tmp, g.REMOTE_TARBALL)
-            digest = g.make_tarball(root, tarball, extra=install)
+            # The same selection as the Kaggle runner's: tracked files, never secret-looking names.
+            files = uploads.repo_files(root)
+            digest = g.make_tarball(root, tarball, files, extra=install)
             have = self._ssh(g.setup_marker_command(), check=False, timeout=300).stdout.split()
             if have.count(digest) >= n:
                 self.say(f"setup is up to date on all {n} worker(s) ({digest})")
                 return
-            self.say(f"uploading {len(g.repo_files(root))} files to {n} worker(s)")
+            skipped = uploads.skipped_secrets(root)
+            self.say(f"uploading {len(files)} tracked files to {n} worker(s)"
+                     + (f"; left behind as secrets: {', '.join(skipped)}" if skipped else ""))
             self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
         self._ssh(g.unpack_command(), timeout=600)
         self.say(f"installing on {n} worker(s) into ~/{g.REMOTE_VENV}: {install}")
