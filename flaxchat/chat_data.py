@@ -1,13 +1,17 @@
 """Conversations as training batches: rendered with the chat template and packed into rows.
 
 Each conversation is rendered once (`Tokenizer.render_conversation`: ids plus a 0/1 mask that is 1
-only on what the assistant writes) and whole conversations are packed into rows of T+1 tokens,
-first fit in order; the rest of a row is padding (<|bos|>, never trained). Targets are the next
-token where the mask is 1 and -1 elsewhere, which `flaxchat.train.train_step` leaves out of the loss.
+only on what the assistant writes; one longer than a row is cut to T+1 tokens) and packed into
+rows of T+1 tokens best-fit from a buffer, as nanochat's chat_sft does: a row takes the longest
+buffered conversation that still fits, again and again; when none fits, the rest of the row is
+padding (<|bos|>, never trained) instead of a cropped conversation, so no token is thrown away.
+Targets are the next token where the mask is 1 and -1 elsewhere, which
+`flaxchat.train.train_step` leaves out of the loss.
 
-The order is a shuffle of the dataset per epoch (seeded), and the loader's whole state is
-(epoch, cursor): a checkpoint stores it and a resumed run continues with the very next conversation.
-With several data streams (one per device), stream i takes every count-th conversation from i.
+The order is a shuffle of the dataset per epoch (seeded) that refills the buffer; the loader's whole
+state is (epoch, cursor, the buffered conversations): a checkpoint stores it and a resumed run
+continues with the very next row. With several data streams (one per device), stream i takes every
+count-th conversation from i.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from flaxchat.errors import UserError
 
 class ConversationLoader:
     def __init__(self, dataset, tokenizer, rows: int, seq_len: int, *, seed: int = 0,
-                 stream: int = 0, streams: int = 1):
+                 stream: int = 0, streams: int = 1, buffer: int = 100):
         if len(dataset) < streams:
             raise UserError(f"the dataset has {len(dataset)} conversation(s), fewer than the {streams} data streams.")
         self.dataset, self.tokenizer = dataset, tokenizer
         self.rows, self.T = rows, seq_len
         self.seed, self.stream, self.streams = seed, stream, streams
+        self.buffer_size = max(1, buffer)
         self.epoch, self.cursor = 0, 0
+        self.buffer: list[int] = []  # dataset indices fetched from the order, not yet packed
         self._order: list[int] | None = None
         self._cache: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -48,12 +54,14 @@ class ConversationLoader:
             self._cache[index] = got
         return got
 
-    def _next_conversation(self) -> tuple[list[int], list[int]]:
-        order = self._epoch_order()
-        if self.cursor >= len(order):
-            self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
+    def _refill(self) -> None:
+        while len(self.buffer) < self.buffer_size:
             order = self._epoch_order()
-        return self._rendered(order[self.cursor])
+            if self.cursor >= len(order):
+                self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
+                order = self._epoch_order()
+            self.buffer.append(order[self.cursor])
+            self.cursor += 1
 
     # --- batches ---------------------------------------------------------------------------------
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
@@ -64,29 +72,31 @@ class ConversationLoader:
         mask = np.zeros((self.rows, width), np.int8)
         for r in range(self.rows):
             used = 0
-            while True:
-                conv_ids, conv_mask = self._next_conversation()
+            while used < width:
+                self._refill()
+                lengths = [len(self._rendered(i)[0]) for i in self.buffer]
+                fits = [j for j, n in enumerate(lengths) if n <= width - used]
+                if not fits:
+                    break  # pad the rest of the row rather than crop a conversation
+                best = max(fits, key=lambda j: (lengths[j], -j))  # the longest; the earliest among equals
+                conv_ids, conv_mask = self._rendered(self.buffer.pop(best))
                 n = len(conv_ids)
-                if used and used + n > width:
-                    break  # does not fit: it opens the next row
                 ids[r, used:used + n] = conv_ids
                 mask[r, used:used + n] = conv_mask
                 used += n
-                self.cursor += 1
-                if used >= width:
-                    break
         targets = np.where(mask[:, 1:] == 1, ids[:, 1:], -1).astype(np.int32)
         return ids[:, :-1].copy(), targets
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": list(self.buffer)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor, self._order = int(state["epoch"]), int(state["cursor"]), None
+        self.buffer = [int(i) for i in state.get("buffer", [])]  # older checkpoints: an empty buffer
 
     @property
     def epochs_done(self) -> float:
-        return self.epoch + self.cursor / max(1, len(self._epoch_order()))
+        return self.epoch + (self.cursor - len(self.buffer)) / max(1, len(self._epoch_order()))
 
 
 def trained_fraction(targets: np.ndarray) -> float:

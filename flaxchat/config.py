@@ -39,6 +39,8 @@ class GPTConfig:
     rope_base: float = 100_000.0
     logit_softcap: float = 15.0
     value_embeds: bool = True
+    ve_gate_channels: int = 12  # input channels of the value-embedding gate (nanochat)
+    ve_gate_scale: float = 3.0  # the gate is scale·sigmoid, in (0, scale) (nanochat)
     grad_checkpoint: bool = False  # rematerialise each block in the backward pass (saves memory)
     attn_block: int = 128  # query/key block of the blockwise attention (the unit of skipped work)
     # Attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla,
@@ -102,8 +104,10 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
-        # Old checkpoints stay loadable: unknown keys are dropped, missing keys take defaults.
+        # Old checkpoints stay loadable: unknown keys are dropped, missing keys take defaults, except
+        # the value-embedding gate, which was 32 channels and 2·sigmoid before these fields existed.
         known = {f.name for f in dataclasses.fields(cls)}
+        d = {"ve_gate_channels": 32, "ve_gate_scale": 2.0, **d}
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
@@ -182,8 +186,8 @@ class TrainConfig:
         if self.depth <= 0:
             raise UserError(f"--depth must be at least 1 (got {self.depth}).")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
-            raise UserError(f"--window-pattern {self.window_pattern!r} may only contain the letters S (short) "
-                            "and L (long), e.g. SSSL.")
+            raise UserError(f"the window pattern {self.window_pattern!r} (--window-pattern) may only contain the "
+                            "letters S (short) and L (long), e.g. SSSL.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

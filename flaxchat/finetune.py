@@ -1,33 +1,49 @@
-"""What the stages after pretraining (SFT, RL) share: open the model they start from, make or
-resume their own run folder, and build the optimizer, all on the same mesh as pretraining.
+"""The skeleton the stages after pretraining (SFT, RL) share, so that each script reads as its own
+recipe: compute init, the run folder through `flaxchat.paths` (local or `gs://`), resume or
+`--fresh`, the model and optimizer born on the mesh by the same sharding rules as pretraining
+(`--sharding dp|fsdp|auto`, `sharding.create_sharded`), the base weights restored into those
+sharded arrays, the optimizer built by keyword from the one set of LR defaults
+(`flaxchat.config.LR`, read back from the pretraining run), loader states resharded when the
+device count changed, the progress file every process writes, and the report/`COMPLETE` tail.
 
 A stage reads its starting weights from `base` (a run folder, never written to) and writes to its
-own `run_dir`: checkpoints (resumed when present, moved aside with `fresh`), a copy of the
-tokenizer, so that `load_model(run_dir)` and the chat scripts open the result like any run.
+own `run_dir`: checkpoints, a copy of the tokenizer, metrics, report, so that `load_model(run_dir)`
+and the chat scripts open the result like any run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from flaxchat.errors import UserError
 
 
 # --help of the flags every stage has.
 STAGE_HELP = {
-    "run_dir": "this stage's own run folder: checkpoints, tokenizer copy, report, metrics (resumed if present)",
+    "run_dir": "this stage's own run folder (local or gs://): checkpoints, tokenizer copy, report, metrics "
+               "(resumed if present)",
     "steps": "optimizer steps",
-    "lr_frac": "fraction of the pretraining learning rates; decays linearly to 0",
     "save_every": "steps between checkpoints (0: only the last step; it is always saved)",
     "keep_checkpoints": "how many checkpoints to keep",
     "log_every": "steps between progress lines",
     "seed": "seed of the data order and the sampling",
     "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
+    "sharding": "dp (replicated parameters), fsdp (parameters, gradients and optimizer state split), auto: "
+                "the same rules as pretraining",
     "fresh": "start at step 0 even if --run-dir has a checkpoint (the old one is moved aside, not deleted)",
 }
+SHARDINGS = ("auto", "dp", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOptim:
+    """How a stage trains: the pretraining run's learning rates (read from its checkpoint, else the
+    defaults in `flaxchat.config.LR`) times `lr_frac` for every group, under `schedule`."""
+    lr_frac: float
+    warmdown_ratio: float = 1.0  # the last fraction of the steps falls linearly to 0 (1.0: all of them)
+    weight_decay: float = 0.0  # pretraining's cosine schedule ends at 0; the later stages keep it there
+    from_base_optimizer: bool = False  # start from the base run's momenta and Adam moments (chat_sft)
 
 
 @dataclasses.dataclass
@@ -38,80 +54,182 @@ class Stage:
     optimizer: Any
     schedule: Any
     checkpointer: Any
+    progress: Any
     step: int  # where training continues: 0, or the resumed checkpoint's step
     meta: dict | None  # the resumed checkpoint's meta (None when starting)
     base_meta: dict  # the meta of the checkpoint the stage started from
+    run_dir: str
+
+    def path(self, *parts: str) -> str:
+        from flaxchat import paths
+        return paths.join(self.run_dir, *parts)
 
     def save(self, step: int, **meta) -> None:
         self.checkpointer.save(step, self.model, self.optimizer,
                                dict(meta, model_config=self.model.config.to_dict()))
 
+    def loader_states(self, streams: list[int]) -> list | None:
+        """The resumed checkpoint's loader states for this job's streams, resharded when the job
+        has another device count than the run that saved them (None when starting)."""
+        states = (self.meta or {}).get("loader_states")
+        if not states:
+            return None
+        count = self.compute.device_count
+        if len(states) != count:
+            self.log(f"data: the checkpoint has {len(states)} data reader(s), this job {count}; resharding")
+            states = reshard_conversation_states(states, count)
+        return [states[s] for s in streams]
 
-@dataclasses.dataclass(frozen=True)
-class StageOptim:
-    """The pretraining learning rates times `lr_frac`, decayed linearly to 0 over the stage."""
-    lr_frac: float = 0.3
-    matrix_lr: float = 0.02
-    embedding_lr: float = 0.3
-    unembedding_lr: float = 0.004
-    scalar_lr: float = 0.5
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.0
+    def log(self, msg: str) -> None:
+        from flaxchat.common import print0
+        print0(msg)
+
+    def finish(self, summary: dict, report: Callable[[], None] | None = None) -> dict:
+        """The tail every stage ends with: the last progress line, the report, then `COMPLETE`."""
+        from flaxchat.report import write_json
+        self.checkpointer.close()
+        self.progress.update(self.step, force=True)
+        if self.compute.is_main:
+            if report is not None:
+                report()
+            write_json(self.path("COMPLETE"), summary)
+        return summary
+
+
+def reshard_conversation_states(states: list[dict], count: int) -> list[dict]:
+    """Conversation loaders read their own stride of one shuffled order. With another number of
+    streams every new stream continues from the furthest point of that order any old stream reached:
+    nothing is trained twice; what the old streams had buffered or not yet reached is skipped."""
+    furthest = max(states, key=lambda s: (int(s["epoch"]), int(s["cursor"])))
+    return [{"epoch": int(furthest["epoch"]), "cursor": int(furthest["cursor"]) * len(states) // count,
+             "buffer": []} for _ in range(count)]
 
 
 def check_folders(base: str, run_dir: str) -> None:
     """Fail before any work when the base is missing or the stage would write into it."""
+    from flaxchat import paths
     from flaxchat.loading import resolve
-    paths = resolve(base)
-    if Path(run_dir).expanduser().resolve() == paths.run_dir.resolve():
+    found = resolve(base)
+    if not paths.is_remote(run_dir) and paths.absolute(run_dir) == str(found.run_dir.resolve()):
         raise UserError(f"--run-dir {run_dir} is the base model's own folder; give the stage a folder of its own "
                         "so the base checkpoint is never overwritten.")
 
 
-def open_stage(base: str, run_dir: str, *, steps: int, optim: StageOptim, dtype: str = "auto",
-               fresh: bool = False, keep: int = 2, log=print) -> Stage:
+def check_sharding(sharding: str) -> None:
+    if sharding not in SHARDINGS:
+        raise UserError(f"--sharding must be auto, dp or fsdp (got {sharding!r}).")
+
+
+def base_learning_rates(base_meta: dict) -> dict:
+    """The pretraining run's LRs as it ran them (its `optim_config`, with the batch scale), else
+    the flags it was given, else the defaults: what a later stage multiplies by its fraction."""
+    from flaxchat.config import LR
+    saved = dict(base_meta.get("optim_config") or {})
+    if saved:
+        return {k: saved[k] for k in (*LR, "batch_lr_scale") if k in saved}
+    given = base_meta.get("train_config") or {}
+    return {k: given.get(k, v) for k, v in LR.items()}
+
+
+def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOptim, dtype: str = "auto",
+               sharding: str = "auto", fresh: bool = False, keep: int = 2, log=print) -> Stage:
     import jax
     from flax import nnx
 
     from flaxchat import checkpoint as ckpt
-    from flaxchat import sharding
+    from flaxchat import paths
+    from flaxchat import sharding as shard
     from flaxchat.common import compute_init
     from flaxchat.config import GPTConfig
-    from flaxchat.loading import load_model
+    from flaxchat.gpt import GPT, param_count
+    from flaxchat.loading import read_run, resolve
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.progress import Progress
 
+    check_sharding(sharding)
     check_folders(base, run_dir)
+    paths.check_writable(run_dir)
     compute = compute_init(dtype)
-    model, tokenizer, base_meta = load_model(base)
-    os.makedirs(run_dir, exist_ok=True)
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    cfg, tokenizer, base_meta = read_run(base)
+    ckpt_dir = paths.join(run_dir, "checkpoints")
     if fresh and compute.is_main:
         moved = ckpt.set_aside(ckpt_dir)
         if moved:
             log(f"--fresh: moved the existing checkpoints to {moved}")
+    _barrier(f"{name}-fresh")
     checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
     resume = checkpointer.latest_step()
     meta = checkpointer.read_meta(resume) if resume is not None else None
-    if meta is not None and GPTConfig.from_dict(meta["model_config"]) != model.config:
+    if meta is not None and GPTConfig.from_dict(meta["model_config"]) != cfg:
         raise UserError(f"{run_dir} holds a checkpoint of a different model than {base}; "
                         "use --fresh or another --run-dir.")
     if compute.is_main:
-        tokenizer.save(os.path.join(run_dir, "tokenizer"))
+        with paths.local_copy(paths.join(run_dir, "tokenizer")) as local:
+            tokenizer.save(local)
 
-    cfg = model.config
-    schedule = Schedule(max(steps, 1), warmup_steps=round(optim.warmup_ratio * steps),
-                        warmdown_ratio=1.0 - optim.warmup_ratio, final_lr_frac=0.0, momentum="finetune",
-                        weight_decay="constant")
+    # --- optimizer: the pretraining LRs x lr_frac, chat_sft's momentum, no weight decay schedule --
+    lrs = base_learning_rates(base_meta)
+    schedule = Schedule(max(steps, 1), warmup_steps=0, warmdown_ratio=optim.warmdown_ratio, final_lr_frac=0.0,
+                        momentum="finetune", weight_decay="constant")
     ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
-    opt_cfg = OptimConfig(matrix_lr=optim.matrix_lr, embedding_lr=optim.embedding_lr,
-                          unembedding_lr=optim.unembedding_lr, scalar_lr=optim.scalar_lr,
-                          weight_decay=optim.weight_decay, n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
-    optimizer = nnx.Optimizer(model, build_optimizer(opt_cfg, schedule), wrt=nnx.Param)
-    compute = compute.with_sharding("dp")
+    opt_cfg = OptimConfig(**{k: v for k, v in lrs.items() if k != "weight_decay"}, weight_decay=optim.weight_decay,
+                          n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
+
+    # --- placement: born sharded on the mesh, then the weights restored into those arrays -------
+    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype))
+    layout = shard.choose(sharding, 4 * param_count(abstract), 2.0, shard.device_memory_bytes())
+    compute = compute.with_sharding(layout)
     jax.set_mesh(compute.mesh)
-    sharding.shard_model_and_optimizer(model, optimizer, compute.mesh)
+    model, optimizer = shard.create_sharded(
+        lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype),
+        lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule), wrt=nnx.Param), compute.mesh)
     step = 0
     if meta is not None:
         step = checkpointer.restore(model, optimizer, resume)["step"]
         log(f"resumed from step {step} in {ckpt_dir}")
-    return Stage(compute, model, tokenizer, optimizer, schedule, checkpointer, step, meta, base_meta)
+    else:
+        found = resolve(base)
+        base_ckpt = ckpt.Checkpointer(str(found.checkpoints), max_to_keep=None, async_save=False)
+        try:
+            at = found.step if found.step is not None else base_ckpt.latest_step()
+            if optim.from_base_optimizer and base_meta.get("has_optimizer", True):
+                try:
+                    base_ckpt.restore(model, optimizer, at)
+                    reset_schedules(optimizer)
+                    log(f"{name}: starting from {base}'s weights and optimizer state (momenta and Adam moments; "
+                        "schedules reset)")
+                except UserError:
+                    base_ckpt.restore(model, None, at)
+                    log(f"{name}: {base} has no matching optimizer state; fresh momenta")
+            else:
+                base_ckpt.restore(model, None, at)
+        finally:
+            base_ckpt.close()
+    shown = ", ".join(f"{k} {v:g}" for k, v in lrs.items() if k != "weight_decay")
+    log(f"{name}: {layout} over {compute.device_count} device(s); LRs {shown} x {optim.lr_frac}; "
+        f"weight decay {optim.weight_decay:g}")
+    progress = Progress(name, steps=steps, process=compute.process_index)
+    progress.update(step, force=True)
+    return Stage(compute, model, tokenizer, optimizer, schedule, checkpointer, progress, step, meta, base_meta,
+                 run_dir)
+
+
+def reset_schedules(optimizer) -> None:
+    """Start every schedule of a restored optimizer at step 0 (chat_sft keeps the momenta but resets
+    the LRs): the step counts of the LR schedules and of Muon go to 0; Adam's own count stays, so
+    its bias correction still matches its moments."""
+    import jax.numpy as jnp
+    from flax import nnx
+    state = nnx.state(optimizer, nnx.optimizer.OptState)
+    for path, var in nnx.to_flat_state(state):
+        adam_count = len(path) >= 2 and path[-1] == "count" and path[-2] == 0
+        if (path[-1] == "count" and not adam_count) or path == ("step",):
+            var.set_value(jnp.zeros_like(var.get_value()))
+    nnx.update(optimizer, state)
+
+
+def _barrier(name: str) -> None:
+    import jax
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

@@ -25,8 +25,6 @@ from flaxchat import ops
 from flaxchat.sharding import constrain
 from flaxchat.config import GPTConfig
 
-VE_GATE_CHANNELS = 12  # input channels of the value-embedding gate (nanochat)
-VE_GATE_SCALE = 3.0  # the gate is 3·sigmoid, in (0, 3) (nanochat)
 SMEAR_CHANNELS = 24
 QK_SCALE = 1.2  # sharper attention after QK-norm, split between q and k (nanochat)
 
@@ -73,8 +71,9 @@ class Attention(nnx.Module):
         if cfg.has_value_embed(layer):
             self.ve = Embedding(cfg.padded_vocab_size, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs,
                                 axes=("vocab", "kv"))
-            # U(0, 0.02): the gate starts just above 3·sigmoid(0) = 1.5 for every head (nanochat).
-            self.ve_gate = Linear(min(VE_GATE_CHANNELS, d), cfg.n_kv_head, init=_uniform(0.02, 0.0), rngs=rngs)
+            # U(0, 0.02): the gate starts just above scale·sigmoid(0) for every head (nanochat).
+            self.ve_gate = Linear(min(cfg.ve_gate_channels, d), cfg.n_kv_head, init=_uniform(0.02, 0.0), rngs=rngs)
+            self.ve_gate_scale = cfg.ve_gate_scale
         else:
             self.ve = None
             self.ve_gate = None
@@ -85,9 +84,9 @@ class Attention(nnx.Module):
         k = self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).reshape(B, T, self.n_kv_head, self.head_dim)
         if self.ve is not None:
-            # Value residual (ResFormer): a per-token value embedding, gated per kv head in (0, 3).
+            # Value residual (ResFormer): a per-token value embedding, gated per kv head in (0, scale).
             ve = self.ve(idx).astype(x.dtype).reshape(B, T, self.n_kv_head, self.head_dim)
-            gate = VE_GATE_SCALE * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
+            gate = self.ve_gate_scale * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
             v = v + gate[..., None] * ve
         q = ops.rotary(q, positions, rope_base)
         k = ops.rotary(k, positions, rope_base)

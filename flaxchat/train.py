@@ -13,7 +13,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -36,9 +35,9 @@ def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     return jnp.sum(losses), jnp.sum(targets >= 0)
 
 
-def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple):
+def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, normalise: bool = True):
     """Sum gradients over the leading axis of `batches` with lax.scan, average over counted
-    tokens, update once; returns the mean loss."""
+    tokens (or not, when the weights already normalise), update once; returns the loss."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
@@ -50,7 +49,7 @@ def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple):
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
     (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, batches)
-    denom = jnp.maximum(count, 1).astype(jnp.float32)
+    denom = jnp.maximum(count, 1).astype(jnp.float32) if normalise else jnp.ones([], jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
     optimizer.update(model, grads)
     return loss_sum / denom
@@ -65,9 +64,10 @@ def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets:
 @nnx.jit(donate_argnames=("model", "optimizer"))
 def policy_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array,
                 weights: jax.Array):
-    """REINFORCE: minimise mean(-advantage * log p(sampled token)) over the sampled tokens (targets
-    >= 0; prompt and tool-forced tokens are -1). `weights` (A, B, T) holds each token's advantage."""
-    return _accumulated_step(model, optimizer, (inputs, targets, weights))
+    """REINFORCE: minimise sum(-weight * log p(sampled token)) over the sampled tokens (targets >= 0;
+    prompt and tool-forced tokens are -1). `weights` (A, B, T) carry the advantages and the whole
+    normalisation (scripts.rl: per problem, then over problems); nothing is divided here."""
+    return _accumulated_step(model, optimizer, (inputs, targets, weights), normalise=False)
 
 
 @nnx.jit
@@ -90,44 +90,21 @@ def bits_per_byte(nats: float, nbytes: float) -> float:
     return float(nats) / (math.log(2) * max(float(nbytes), 1.0))
 
 
-# --- sampling (a plain, cache-free sampler for progress reports; the Engine is the fast path) -----
-
-
-@nnx.jit(static_argnames=("max_new", "temperature", "top_k"))
-def _sample_loop(model: GPT, buf: jax.Array, start: jax.Array, key: jax.Array,
-                 max_new: int, temperature: float, top_k: int):
-    T = buf.shape[1]
-
-    def body(i, carry):
-        buf, key = carry
-        pos = start + i
-        logits = model(buf)
-        row = jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0]
-        if top_k > 0:
-            kth = jax.lax.top_k(row, top_k)[0][:, -1:]
-            row = jnp.where(row < kth, -jnp.inf, row)
-        key, sub = jax.random.split(key)
-        nxt = jax.random.categorical(sub, row / temperature) if temperature > 0 else jnp.argmax(row, -1)
-        write = pos < T
-        idx = jnp.minimum(pos, T - 1)
-        cur = jnp.take_along_axis(buf, idx[:, None], axis=1)[:, 0]
-        val = jnp.where(write, nxt.astype(buf.dtype), cur)
-        buf = buf.at[jnp.arange(buf.shape[0]), idx].set(val)
-        return buf, key
-
-    buf, _ = jax.lax.fori_loop(0, max_new, body, (buf, key))
-    return buf
+# --- sampling: the inference Engine (one KV cache and one sampler for every caller) -----------------
 
 
 def sample(model: GPT, prompts: list[list[int]], max_new: int, *, temperature: float = 0.8,
            top_k: int = 50, seed: int = 0) -> list[list[int]]:
-    """Continue each prompt by up to max_new tokens (bounded by the context); returns new tokens."""
+    """Continue each prompt by up to max_new tokens (bounded by the context; no stop token, no
+    tools): pretraining's periodic samples, through `flaxchat.engine.Engine`. Returns new tokens."""
+    from flaxchat.engine import Engine
     T = model.config.sequence_len
-    lens = [min(len(p), T - 1) for p in prompts]
-    buf = np.zeros((len(prompts), T), np.int32)
+    engine = Engine(model, tools=False)
+    out = []
     for i, p in enumerate(prompts):
-        buf[i, :lens[i]] = p[:lens[i]]
-    out = _sample_loop(model, jnp.asarray(buf), jnp.asarray(lens, jnp.int32), jax.random.key(seed),
-                       max_new=max_new, temperature=float(temperature), top_k=int(top_k))
-    out = np.asarray(out)
-    return [out[i, lens[i]:min(T, lens[i] + max_new)].tolist() for i in range(len(prompts))]
+        p = list(p[:T - 1])
+        new, _ = engine.generate_batch(p, 1, min(max_new, T - len(p)), temperature=float(temperature),
+                                       top_k=int(top_k) if top_k and temperature > 0 else None, seed=seed + i,
+                                       stop_tokens=())
+        out.append(new[0])
+    return out

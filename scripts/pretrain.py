@@ -34,6 +34,8 @@ HELP = {
     "scalar_lr": "per-layer scalar AdamW LR at 2^19 tokens/step (scaled by batch)",
     "weight_decay": "Muon's cautious weight decay at d12 and 2^19 tokens/step; scaled by sqrt(B/B_ref) x D_ref/D, "
                     "cosine to 0",
+    "lr_batch_scaling": "scale every LR by sqrt(total batch / 2^19) as nanochat does (run_tinystories turns it off: "
+                        "at its 1,024-token steps it lowered every LR 22x and made bpb worse; docs/recipe.md)",
     "warmup_steps": "LR warmup steps",
     "warmdown_ratio": "fraction of the steps over which the LR falls linearly to --final-lr-frac",
     "attention": "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla, splash, cudnn",
@@ -233,7 +235,7 @@ def _run(tc: TrainConfig) -> dict:
         print0(f"step {at_step:05d} | saving checkpoint")
         checkpointer.save(at_step, model, optimizer, dict(
             model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
-            data=train_src.name, tokens_seen=at_step * total))
+            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg)))
 
     def evaluate():
         loader = PackingLoader(val_src, tokenizer, tc.device_batch_size, T, process_index=0, process_count=1)

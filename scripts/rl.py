@@ -7,14 +7,19 @@ Each step samples `--samples` answers to each of `--prompts` problems with the E
 the model's <|python_start|> calls are evaluated and their output forced into the sample), rewards
 each answer 1 if its final answer is right, and takes the group-normalised advantage
 (reward - mean reward of the same problem's samples) as the weight of its sampled tokens'
-log-probabilities. Prompt tokens and tool outputs are not trained. Every `--eval-every` steps,
-pass@1 (greedy) on held-out problems is measured. A re-run resumes from the run's checkpoint.
+log-probabilities. The policy gradient is normalised per problem, as nanochat's chat_rl does: each
+problem's tokens are averaged over that problem's sampled tokens, then the problems are averaged,
+so every problem weighs the same however long its answers are. Prompt tokens and tool outputs
+are not trained, nor an end token the model did not sample (a <|bos|> stop, the context's end).
+Rows are the model's context: a long prompt keeps its start (and its final <|assistant_start|>)
+and the answer's budget is what the context leaves, so an answer is always trained whole. Every
+`--eval-every` steps, pass@1 (greedy) on held-out problems is measured. A re-run resumes from the
+run's checkpoint; the run folder may be local or gs://.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -30,10 +35,9 @@ class RLConfig:
     steps: int = 100
     prompts: int = 8  # problems per step
     samples: int = 8  # answers sampled per problem (the group)
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # at most; a long prompt leaves less of the context to its answer
     temperature: float = 0.8
     top_k: int = 50
-    row_len: int = 128  # tokens per training row (prompt + answer), at most the model's context
     # Muon's update has a fixed size whatever the gradient's: with 64 noisy samples a step, 0.05 of
     # the pretraining rates lowered held-out pass@1 (69% -> 50% in 50 steps); 0.01 raises it.
     lr_frac: float = 0.01
@@ -44,6 +48,7 @@ class RLConfig:
     log_every: int = 5
     seed: int = 0
     dtype: str = "auto"
+    sharding: str = "auto"
     fresh: bool = False
 
     def validate(self) -> None:
@@ -54,6 +59,8 @@ class RLConfig:
                             "at least 1.")
         if self.samples < 2:
             raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
+        from flaxchat.finetune import check_sharding
+        check_sharding(self.sharding)
 
 
 HELP = {
@@ -64,7 +71,6 @@ HELP = {
     "max_new_tokens": "longest answer sampled",
     "temperature": "sampling temperature of the answers that train",
     "top_k": "sample among the k likeliest tokens",
-    "row_len": "tokens per training row; longer prompts+answers are cut",
     "eval_every": "steps between pass@1 measurements (0: only at the start and the end)",
     "eval_examples": "held-out problems for pass@1 (greedy)",
 }
@@ -91,8 +97,8 @@ def _run(cfg: RLConfig) -> dict:
     import numpy as np
     from flax import nnx
 
+    from flaxchat import paths
     from flaxchat.common import fmt_duration, global_batch, print0
-    from flaxchat.config import save_json
     from flaxchat.engine import Engine
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
@@ -103,10 +109,14 @@ def _run(cfg: RLConfig) -> dict:
     t_start = time.time()
     train_task, val_task = open_task(cfg.task, "train"), open_task(cfg.task, "val")
     print0(f"task: {cfg.task}: {len(train_task):,} training problems, {len(val_task):,} held out")
-    stage = open_stage(cfg.base, cfg.run_dir, steps=cfg.steps, fresh=cfg.fresh, dtype=cfg.dtype,
-                       keep=cfg.keep_checkpoints, log=print0, optim=StageOptim(lr_frac=cfg.lr_frac))
+    stage = open_stage(cfg.base, cfg.run_dir, name="rl", steps=cfg.steps, fresh=cfg.fresh, dtype=cfg.dtype,
+                       sharding=cfg.sharding, keep=cfg.keep_checkpoints, log=print0,
+                       optim=StageOptim(lr_frac=cfg.lr_frac))
     model, tokenizer, compute = stage.model, stage.tokenizer, stage.compute
-    L = min(cfg.row_len, model.config.sequence_len)
+    T = model.config.sequence_len
+    if cfg.samples % compute.device_count:
+        raise UserError(f"--samples ({cfg.samples}) must be a multiple of the {compute.device_count} devices: each "
+                        "problem's answers are one micro-batch split over them.")
     # The calculator only: a sampled call that is not arithmetic gets an error text back, never a
     # sandbox process (thousands of samples per run; the sandbox stays for chat and HumanEval).
     engine = Engine(model, tokenizer, tool_runner=lambda expr: calculate(expr) or "error: not arithmetic")
@@ -116,38 +126,30 @@ def _run(cfg: RLConfig) -> dict:
         _, engine.params = nnx.split(model)  # the step donated the old parameter buffers
 
     def answer(conv, seed):
-        prompt = tokenizer.render_for_completion(conv)[-(L - 8):]
-        outs, masks = engine.generate_batch(prompt, cfg.samples, cfg.max_new_tokens, temperature=cfg.temperature,
-                                            top_k=cfg.top_k, seed=seed)
-        return prompt, outs, masks
+        prompt = fit_prompt(tokenizer.render_for_completion(conv), T)
+        budget = min(cfg.max_new_tokens, T - len(prompt))  # prompt + answer + end token <= T + 1
+        return prompt, *sample_answers(engine, prompt, cfg.samples, budget, temperature=cfg.temperature,
+                                       top_k=cfg.top_k, seed=seed)
 
     def pass_at_1() -> float:  # greedy, on the first --eval-examples held-out problems
         return generative_accuracy(engine, tokenizer, val_task, cfg.eval_examples, max_tokens=cfg.max_new_tokens,
                                    temperature=0.0)["accuracy"]
 
     def rollout(step):
-        """(inputs, targets, weights) of shape (prompts, samples, L-1), and the rewards."""
-        xs = np.full((cfg.prompts, cfg.samples, L), tokenizer.bos_token_id, np.int32)
-        train = np.zeros((cfg.prompts, cfg.samples, L), bool)
-        adv = np.zeros((cfg.prompts, cfg.samples), np.float32)
-        rewards = np.zeros((cfg.prompts, cfg.samples), np.float32)
+        """(inputs, targets, weights) of shape (prompts, samples, T), and the rewards."""
+        rows, rewards = [], np.zeros((cfg.prompts, cfg.samples), np.float32)
         for j in range(cfg.prompts):
             conv = train_task[(step * cfg.prompts + j) % len(train_task)]
-            prompt, outs, masks = answer(conv, cfg.seed * 1_000_003 + step * cfg.prompts + j)
-            for r, (out, mask) in enumerate(zip(outs, masks)):
-                rewards[j, r] = train_task.reward(conv, tokenizer.decode(out))
-                if len(out) < cfg.max_new_tokens:  # it stopped by itself: <|assistant_end|> was sampled too
-                    out, mask = out + [end_id], mask + [1]
-                row = (prompt + out)[:L]
-                xs[j, r, :len(row)] = row
-                train[j, r, len(prompt):len(row)] = np.asarray(mask[:len(row) - len(prompt)], bool)
-            adv[j] = rewards[j] - rewards[j].mean()
-        inputs, targets = xs[:, :, :-1], np.where(train[:, :, 1:], xs[:, :, 1:], -1).astype(np.int32)
-        weights = np.broadcast_to(adv[:, :, None], targets.shape).astype(np.float32)
-        return inputs, targets, weights, rewards
+            prompt, outs, masks, stops = answer(conv, cfg.seed * 1_000_003 + step * cfg.prompts + j)
+            rewards[j] = [train_task.reward(conv, tokenizer.decode(out)) for out in outs]
+            rows.append(policy_rows(prompt, outs, masks, stops, end_id, T, tokenizer.bos_token_id))
+        inputs = np.stack([r[0] for r in rows])
+        targets = np.stack([r[1] for r in rows])
+        adv = rewards - rewards.mean(axis=1, keepdims=True)
+        return inputs, targets, policy_weights(targets, adv), rewards
 
     # --- loop ---------------------------------------------------------------------------------------
-    metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    metrics = MetricsLog(stage.path("metrics.jsonl"))
     step, t_loop = stage.step, time.time()
     evals = dict((stage.meta or {}).get("evals", {}))  # step -> pass@1, carried across resumes
     if "0" not in evals:
@@ -162,6 +164,8 @@ def _run(cfg: RLConfig) -> dict:
                     global_batch(compute, weights))
         refresh_engine()
         step += 1
+        if stage.progress.due():
+            stage.progress.update(step)
         recent.append(float(rewards.mean()))
         if step % cfg.log_every == 0 or step == cfg.steps:
             mean_r = sum(recent) / len(recent)
@@ -176,16 +180,17 @@ def _run(cfg: RLConfig) -> dict:
             if compute.is_main:
                 metrics.append(kind="val", step=step, pass_at_1=evals[str(step)])
         if step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            stage.save(step, rl_config=dataclasses.asdict(cfg), evals=evals, base=os.path.abspath(cfg.base), stage="rl")
-    stage.checkpointer.close()
+            stage.save(step, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
+    stage.step = step
 
     before, after = evals["0"], evals[str(step)]
     summary = dict(step=step, pass_at_1_before=before, pass_at_1_after=after, evals=evals,
-                   train_seconds=time.time() - t_loop, run_dir=os.path.abspath(cfg.run_dir))
-    if compute.is_main:
-        png = plot_losses(metrics.read(), os.path.join(cfg.run_dir, "loss.png"), f"RL on {cfg.task} (loss = 1 - reward)",
+                   train_seconds=time.time() - t_loop, run_dir=paths.absolute(cfg.run_dir))
+
+    def report():
+        png = plot_losses(metrics.read(), stage.path("loss.png"), f"RL on {cfg.task} (loss = 1 - reward)",
                           val_key="pass_at_1", val_label="held-out pass@1")
-        write_report(os.path.join(cfg.run_dir, "report.md"), title="flaxchat RL", sections=[
+        write_report(stage.path("report.md"), title="flaxchat RL", sections=[
             ("Result", {"pass@1 before (the base model)": f"{100 * before:.1f}%", "pass@1 after": f"{100 * after:.1f}%",
                         "held-out problems": min(cfg.eval_examples, len(val_task)),
                         "time": fmt_duration(time.time() - t_start)}),
@@ -193,9 +198,65 @@ def _run(cfg: RLConfig) -> dict:
             ("Reward curve", "![loss](loss.png)" if png else "(no steps logged)"),
             ("Config", dataclasses.asdict(cfg)),
         ])
-        save_json(os.path.join(cfg.run_dir, "COMPLETE"), summary)
         print0(f"done: pass@1 {100 * before:.1f}% -> {100 * after:.1f}% in {fmt_duration(time.time() - t_start)}")
-    return summary
+
+    return stage.finish(summary, report)
+
+
+# --- rollouts as training rows ----------------------------------------------------------------------
+
+def fit_prompt(prompt: list[int], T: int, room: int = 8) -> list[int]:
+    """A prompt that leaves at least `room` tokens of the context to the answer: a long one keeps
+    its start (<|bos|>, the question) and its last token (<|assistant_start|>), not its end alone."""
+    if len(prompt) <= T - room:
+        return prompt
+    return prompt[:T - room - 1] + prompt[-1:]
+
+
+def sample_answers(engine, prompt: list[int], n: int, max_tokens: int, **kwargs):
+    """n sampled answers: (tokens, masks (1 sampled, 0 forced by the tool), the stop token each
+    ended on or None when it ran out of budget). The stop token is not in the tokens."""
+    outs, masks, stops = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+    stop = set(engine.stop_tokens())
+    done = [False] * n
+    for column, forced in engine.generate(prompt, n, max_tokens, **kwargs):
+        for r, tok in enumerate(column):
+            if tok is None or done[r]:
+                continue
+            if not forced[r] and tok in stop:
+                stops[r], done[r] = tok, True
+                continue
+            outs[r].append(tok)
+            masks[r].append(0 if forced[r] else 1)
+    return outs, masks, stops
+
+
+def policy_rows(prompt, outs, masks, stops, end_id: int, T: int, pad: int):
+    """(inputs, targets), each (samples, T) int32: prompt + answer (+ the end token only when the
+    model sampled it), targets -1 except on the sampled answer tokens."""
+    import numpy as np
+    xs = np.full((len(outs), T + 1), pad, np.int32)
+    train = np.zeros((len(outs), T + 1), bool)
+    for r, (out, mask, stop) in enumerate(zip(outs, masks, stops)):
+        if stop == end_id:
+            out, mask = out + [end_id], mask + [1]
+        row = prompt + out
+        if len(row) > T + 1:
+            raise ValueError(f"a rollout of {len(row)} tokens does not fit the context of {T}")
+        xs[r, :len(row)] = row
+        train[r, len(prompt):len(row)] = np.asarray(mask, bool)
+    return xs[:, :-1], np.where(train[:, 1:], xs[:, 1:], -1).astype(np.int32)
+
+
+def policy_weights(targets, advantages):
+    """Per-token weights (problems, samples, T) of the policy loss sum(-w x log p): each problem's
+    advantages spread over that problem's sampled tokens, and the problems averaged (chat_rl's
+    per-pass normalisation): every problem weighs the same, whatever its answers' lengths."""
+    import numpy as np
+    valid = targets >= 0
+    per_problem = np.maximum(valid.sum(axis=(1, 2), keepdims=True), 1)
+    w = advantages[:, :, None] * valid / per_problem / targets.shape[0]
+    return w.astype(np.float32)
 
 
 def open_task(spec: str, split: str):

@@ -4,16 +4,21 @@
     python -m scripts.sft --base runs/d4 --mix "chat:2,spelling,arithmetic,smoltalk@data/smoltalk.parquet"
 
 Only what the assistant writes trains (its text, its tool calls, <|assistant_end|>); user turns and
-tool outputs do not. Whole conversations are packed into rows, and the step is the same jitted
-train step as pretraining. The base run folder is only read; this stage writes its own, and a
-re-run resumes from its checkpoint (the next conversation, the same optimizer state).
+tool outputs do not. Whole conversations are packed into rows best-fit from a buffer, padding
+instead of cropping, and the step is the same jitted train step as pretraining. The recipe is
+nanochat's chat_sft: the optimizer starts from the pretraining run's momenta and Adam moments
+(schedules reset), every learning rate is the pretraining run's times --lr-frac 0.8, constant for
+the first half of the steps, then falling linearly to 0; no weight decay (pretraining's cosine
+ends at 0). flaxchat differs in one point: the LRs it reads back are the ones pretraining ran
+with, batch scaling included (nanochat reads the unscaled flags). The base run folder is only
+read; this stage writes its own (local or gs://), and a re-run resumes from its checkpoint (the
+next row, the same optimizer state).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 
@@ -33,8 +38,11 @@ class SFTConfig:
     steps: int = -1
     device_batch_size: int = 8  # rows per micro-batch per device
     grad_accum: int = 1  # micro-batches per optimizer step
-    lr_frac: float = 0.3  # times the pretraining learning rates, decayed linearly to 0
+    lr_frac: float = 0.8  # times the pretraining learning rates (chat_sft's init_lr_frac)
+    warmdown_ratio: float = 0.5  # the last half of the steps falls linearly to 0 (chat_sft)
     weight_decay: float = 0.0
+    from_base_optimizer: bool = True  # start from the pretraining momenta and Adam moments (chat_sft)
+    sharding: str = "auto"
     eval_every: int = 100
     eval_batches: int = 8
     save_every: int = 200
@@ -51,6 +59,10 @@ class SFTConfig:
             raise UserError("--device-batch-size, --grad-accum and --log-every must be at least 1.")
         if self.steps == 0 or self.steps < -1 or self.epochs <= 0:
             raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
+        if not 0 <= self.warmdown_ratio <= 1 or self.lr_frac <= 0:
+            raise UserError("--warmdown-ratio must lie between 0 and 1 and --lr-frac be positive.")
+        from flaxchat.finetune import check_sharding
+        check_sharding(self.sharding)
 
 
 HELP = {
@@ -62,6 +74,9 @@ HELP = {
     "device_batch_size": "rows per micro-batch per device (whole conversations packed into each)",
     "grad_accum": "micro-batches per optimizer step",
     "weight_decay": "Muon's weight decay",
+    "lr_frac": "every group's LR is the pretraining run's times this (chat_sft: 0.8)",
+    "warmdown_ratio": "the last fraction of the steps over which the LR falls linearly to 0",
+    "from_base_optimizer": "start from the base run's optimizer state (momenta, Adam moments; schedules reset)",
     "eval_every": "steps between validation losses (0: none)",
     "eval_batches": "validation batches per evaluation",
 }
@@ -90,8 +105,8 @@ def _run(cfg: SFTConfig) -> dict:
 
     import tasks
     from flaxchat.chat_data import ConversationLoader, trained_fraction
+    from flaxchat import paths
     from flaxchat.common import fmt_duration, gather_streams, global_batch, local_streams, print0
-    from flaxchat.config import save_json
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
@@ -113,17 +128,17 @@ def _run(cfg: SFTConfig) -> dict:
         rows_per_step = cfg.device_batch_size * jax.device_count() * cfg.grad_accum
         per_row = conversations_per_row(train_set, tok, model_cfg.sequence_len, cfg.seed)
         steps = max(1, math.ceil(cfg.epochs * len(train_set) / (per_row * rows_per_step)))
-    stage = open_stage(cfg.base, cfg.run_dir, steps=steps, fresh=cfg.fresh, dtype=cfg.dtype,
-                       keep=cfg.keep_checkpoints, log=print0,
-                       optim=StageOptim(lr_frac=cfg.lr_frac, weight_decay=cfg.weight_decay))
+    stage = open_stage(cfg.base, cfg.run_dir, name="sft", steps=steps, fresh=cfg.fresh, dtype=cfg.dtype,
+                       sharding=cfg.sharding, keep=cfg.keep_checkpoints, log=print0,
+                       optim=StageOptim(lr_frac=cfg.lr_frac, warmdown_ratio=cfg.warmdown_ratio,
+                                        weight_decay=cfg.weight_decay, from_base_optimizer=cfg.from_base_optimizer))
     model, tokenizer, compute = stage.model, stage.tokenizer, stage.compute
     T = model.config.sequence_len
     streams = local_streams(compute)
     loaders = [ConversationLoader(train_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed, stream=s,
                                   streams=compute.device_count) for s in streams]
-    if stage.meta is not None:
-        for s, loader in zip(streams, loaders):
-            loader.load_state_dict(stage.meta["loader_states"][s])
+    for state, loader in zip(stage.loader_states(streams) or [], loaders):
+        loader.load_state_dict(state)
     rows = cfg.device_batch_size * compute.device_count
     print0(f"batch: {cfg.grad_accum} micro-batch(es) of {rows} x {T} tokens per step; {steps} steps")
 
@@ -147,11 +162,11 @@ def _run(cfg: SFTConfig) -> dict:
 
     def save(at):
         states = gather_streams(dict(zip(streams, batches.state_dict())), compute.device_count)
-        stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=os.path.abspath(cfg.base),
+        stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=paths.absolute(cfg.base),
                    stage="sft")
 
     # --- training loop ---------------------------------------------------------------------------
-    metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    metrics = MetricsLog(stage.path("metrics.jsonl"))
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
     t_window, tokens_window = time.time(), 0
     while step < steps:
@@ -159,6 +174,9 @@ def _run(cfg: SFTConfig) -> dict:
         loss = train_step(model, stage.optimizer, x, y)
         step += 1
         tokens_window += x.size
+        if stage.progress.due():
+            loss.block_until_ready()  # progress means a finished step
+            stage.progress.update(step)
         if step % cfg.log_every == 0 or step == steps:
             lossf = float(loss)
             if not math.isfinite(lossf):
@@ -180,20 +198,21 @@ def _run(cfg: SFTConfig) -> dict:
             t_window, tokens_window = time.time(), 0
         if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
             save(step)
-    stage.checkpointer.close()
+    stage.step = step
     train_seconds = time.time() - t_loop
 
     # --- a look at the result, report ---------------------------------------------------------------
     replies = check_replies(model, tokenizer, CHECK_PROMPTS)
     summary = dict(step=step, steps=steps, final_loss=smooth, val_loss=last_val, first_val_loss=first_val,
-                   train_seconds=train_seconds, run_dir=os.path.abspath(cfg.run_dir), replies=replies)
-    if compute.is_main:
+                   train_seconds=train_seconds, run_dir=paths.absolute(cfg.run_dir))
+
+    def report():
         for prompt, reply in replies.items():
             print0(f"> {prompt}\n{reply}\n")
-        png = plot_losses(metrics.read(), os.path.join(cfg.run_dir, "loss.png"), f"SFT on {cfg.mix}",
+        png = plot_losses(metrics.read(), stage.path("loss.png"), f"SFT on {cfg.mix}",
                           val_key="val_loss", val_label="val loss (nats/token)")
-        write_report(os.path.join(cfg.run_dir, "report.md"), title="flaxchat SFT", sections=[
-            ("Run", {"base": os.path.abspath(cfg.base), "mix": cfg.mix, "conversations": len(train_set),
+        write_report(stage.path("report.md"), title="flaxchat SFT", sections=[
+            ("Run", {"base": paths.absolute(cfg.base), "mix": cfg.mix, "conversations": len(train_set),
                      "steps": steps, "rows per step": rows * cfg.grad_accum, "sequence": T,
                      "val loss": f"{first_val or 0:.4f} -> {last_val or 0:.4f}",
                      "training time": fmt_duration(train_seconds)}),
@@ -201,10 +220,11 @@ def _run(cfg: SFTConfig) -> dict:
             ("Replies (greedy)", [f"{p} -> {r!r}" for p, r in replies.items()]),
             ("Config", dataclasses.asdict(cfg)),
         ])
-        save_json(os.path.join(cfg.run_dir, "COMPLETE"), {k: v for k, v in summary.items() if k != "replies"})
         print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val loss {last_val}; "
-               f"report {os.path.join(cfg.run_dir, 'report.md')}")
-    return summary
+               f"report {stage.path('report.md')}")
+
+    stage.finish(summary, report)
+    return dict(summary, replies=replies)
 
 
 def conversations_per_row(dataset, tokenizer, seq_len: int, seed: int, probe_rows: int = 64) -> float:
@@ -212,7 +232,7 @@ def conversations_per_row(dataset, tokenizer, seq_len: int, seed: int, probe_row
     from flaxchat.chat_data import ConversationLoader
     probe = ConversationLoader(dataset, tokenizer, probe_rows, seq_len, seed=seed)
     probe.next_batch()
-    used = probe.epoch * len(dataset) + probe.cursor
+    used = probe.epoch * len(dataset) + probe.cursor - len(probe.buffer)
     return max(used, 1) / probe_rows
 
 

@@ -177,11 +177,15 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
 
 def test_gates_start_as_nanochats():
     """Value-embedding gate: 12 input channels, 3·sigmoid, kernel U(0, 0.02); smear gate U(0, 0.02)."""
-    from flaxchat.gpt import VE_GATE_CHANNELS, VE_GATE_SCALE, scaling_param_count
+    from flaxchat.gpt import scaling_param_count
     cfg = config_for_depth(4, vocab_size=512, sequence_len=64)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     gate = model.blocks[cfg.n_layer - 1].attn.ve_gate.kernel[...]
-    assert (VE_GATE_CHANNELS, VE_GATE_SCALE) == (12, 3.0) and gate.shape == (12, cfg.n_kv_head)
+    assert (cfg.ve_gate_channels, cfg.ve_gate_scale) == (12, 3.0) and gate.shape == (12, cfg.n_kv_head)
+    # a checkpoint written before the gate fields existed had 32 channels and 2·sigmoid: it still loads
+    old = {k: v for k, v in cfg.to_dict().items() if not k.startswith("ve_gate")}
+    assert (GPTConfig.from_dict(old).ve_gate_channels, GPTConfig.from_dict(old).ve_gate_scale) == (32, 2.0)
+    assert GPTConfig.from_dict(cfg.to_dict()) == cfg
     smear = model.smear_gate.kernel[...]
     for w in (gate, smear):
         assert float(w.min()) >= 0.0 and float(w.max()) <= 0.02 and float(w.std()) > 0.002

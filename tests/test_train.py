@@ -135,6 +135,15 @@ def test_bad_input_is_one_sentence_and_nonzero(argv, words, capsys, tmp_path):
     assert "Traceback" not in cap.err and len(cap.err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv", [["--window-pattern=SXL"], ["--depth=3", "--sequence-len=1"], ["--warmdown-ratio=2"]])
+def test_config_errors_come_before_any_work(argv, capsys, tmp_path):
+    """A bad --window-pattern once surfaced only after the tokenizer had trained, as a 'cannot
+    schedule new futures after shutdown' traceback: config errors are found before anything runs."""
+    code, cap = _main([*argv, "--steps=1", f"--run-dir={tmp_path / 'r'}"], capsys)
+    assert code == 2 and "Traceback" not in cap.err and len(cap.err.strip().splitlines()) == 1
+    assert cap.out == "" and not (tmp_path / "r").exists()  # no device set up, no tokenizer, no folder
+
+
 def test_empty_corpus_is_refused(capsys, tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     code, cap = _main([f"--data={tmp_path / 'empty.txt'}", "--steps=1", f"--run-dir={tmp_path / 'r'}"], capsys)
