@@ -86,8 +86,11 @@ def resolve_dtype(name: str = "auto") -> jnp.dtype:
 def compute_init(dtype: str = "auto", sharding: str = "dp") -> Compute:
     maybe_initialize_distributed()
     mesh = make_mesh(jax.devices(), sharding)
+    compute_dtype = resolve_dtype(dtype)
+    if dtype == "auto":  # say what auto chose, as the attention kernel's auto does
+        print0(f"dtype: {jnp.dtype(compute_dtype).name} (auto on {jax.default_backend()})")
     return Compute(mesh=mesh, process_index=jax.process_index(), process_count=jax.process_count(),
-                   backend=jax.default_backend(), compute_dtype=resolve_dtype(dtype))
+                   backend=jax.default_backend(), compute_dtype=compute_dtype)
 
 
 def print0(*args, **kwargs) -> None:

@@ -90,6 +90,9 @@ def test_resolve_attention_picks_by_backend(capsys):
     assert capsys.readouterr().out == ""  # once per process
     with pytest.raises(UserError, match="--attention must be one of auto, blockwise, xla, splash, cudnn"):
         GPTConfig(attention="flash")
+    from flaxchat.common import compute_init
+    compute_init("auto")  # --dtype auto says what it chose too
+    assert capsys.readouterr().out == "dtype: float32 (auto on cpu)\n"
 
 
 def test_model_kernels_agree():
