@@ -59,6 +59,7 @@ class Stage:
     meta: dict | None  # the resumed checkpoint's meta (None when starting)
     base_meta: dict  # the meta of the checkpoint the stage started from
     run_dir: str
+    base_lrs: dict  # the pretraining LRs this stage scales; saved, so that the next stage reads them too
 
     def path(self, *parts: str) -> str:
         from flaxchat import paths
@@ -66,7 +67,7 @@ class Stage:
 
     def save(self, step: int, **meta) -> None:
         self.checkpointer.save(step, self.model, self.optimizer,
-                               dict(meta, model_config=self.model.config.to_dict()))
+                               dict(meta, model_config=self.model.config.to_dict(), optim_config=self.base_lrs))
 
     def loader_states(self, streams: list[int]) -> list | None:
         """The resumed checkpoint's loader states for this job's streams, resharded when the job
@@ -211,7 +212,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     progress = Progress(name, steps=steps, process=compute.process_index)
     progress.update(step, force=True)
     return Stage(compute, model, tokenizer, optimizer, schedule, checkpointer, progress, step, meta, base_meta,
-                 run_dir)
+                 run_dir, lrs)
 
 
 def reset_schedules(optimizer) -> None:

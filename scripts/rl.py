@@ -71,6 +71,8 @@ HELP = {
     "max_new_tokens": "longest answer sampled",
     "temperature": "sampling temperature of the answers that train",
     "top_k": "sample among the k likeliest tokens",
+    "lr_frac": "every group's LR is the pretraining run's (as the SFT base read them) times this, falling "
+               "linearly to 0 over the steps (chat_rl)",
     "eval_every": "steps between pass@1 measurements (0: only at the start and the end)",
     "eval_examples": "held-out problems for pass@1 (greedy)",
 }

@@ -171,6 +171,7 @@ def test_sft_starts_from_the_pretraining_optimizer_state_with_its_lrs(tokenizer,
         got = flat(stage.optimizer)
         stage.checkpointer.close()
     assert any("optimizer state" in l for l in lines) and any("matrix_lr 0.03" in l for l in lines), lines
+    assert stage.base_lrs["matrix_lr"] == 0.03 and stage.base_lrs["batch_lr_scale"] == 0.5  # saved for RL
     momentum = [p for p in want if "momentum" in p or "mu" in p or "nu" in p]  # Muon's and Adam's moments
     assert momentum and all(np.array_equal(np.asarray(got[p]), np.asarray(want[p])) for p in momentum)
     for p in want:
