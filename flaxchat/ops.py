@@ -72,7 +72,7 @@ _matmul_cpu.defvjp(_matmul_fwd, _matmul_bwd)
 class Kernel(NamedTuple):
     """A resolved attention kernel (hashable: it is a static argument of the jitted step)."""
     name: str  # blockwise, xla, splash or cudnn
-    block: int = 128  # the blockwise kernel's query/key block; splash's block size
+    block: int = 128  # the blockwise kernel's query/key block
 
 
 _announced: set = set()
@@ -105,7 +105,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, kernel: Ker
     if kernel.name == "splash":
         if q.shape[1] % 128:  # splash tiles the sequence in 128-lane blocks; `auto` may land here
             return causal_attention(q, k, v, window, kernel.block)
-        return splash_attention(q, k, v, window, block=max(128, kernel.block))
+        return splash_attention(q, k, v, window)
     raise ValueError(f"unresolved attention kernel {kernel.name!r}; pass it through resolve_attention")
 
 
@@ -150,7 +150,7 @@ def _splash_kernel(T: int, G: int, window: int, block: int, interpret: bool):
         return sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * G), block_sizes=sizes, interpret=interpret)
 
 
-def splash_attention(q, k, v, window: int, block: int = 128, interpret: bool | None = None) -> jax.Array:
+def splash_attention(q, k, v, window: int, block: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Pallas splash attention (TPU): causal or local mask, blocks outside it skipped, GQA.
 
     Under a mesh the kernel runs per device through shard_map (rows split as the rules split the
@@ -162,6 +162,8 @@ def splash_attention(q, k, v, window: int, block: int = 128, interpret: bool | N
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
+    # 512-row blocks by default, as maxtext's splash defaults (not measured here: no TPU was lent)
+    block = block or next(b for b in (512, 256, 128) if T % b == 0)
     kern = _splash_kernel(T, G, min(window, T), block, interpret)
 
     def local(q, k, v):
