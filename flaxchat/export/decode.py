@@ -27,6 +27,15 @@ from flaxchat.gpt import GPT
 NEG_INF = -1e30  # finite: -inf through a quantized or fused softmax can turn into NaN
 
 
+def dense_attend(layer, q, k, v, window):
+    """The attention every exported program uses: dense causal (windowed) attention in plain XLA ops.
+
+    The CPU training kernel loops over blocks (`lax.fori_loop`, O(T) memory for the backward); a
+    loop does not convert to TFLite ("Failed to export flatbuffer"), and at the fixed inference
+    lengths an export has, the T x T scores of one forward are small."""
+    return ops.xla_attention(q, k, v, window)
+
+
 def cache_shape(model: GPT, batch: int, max_len: int) -> tuple[int, ...]:
     cfg = model.config
     return (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
@@ -52,7 +61,7 @@ def prefill(model: GPT, tokens: jax.Array, length: jax.Array, max_len: int):
     def attend(layer, q, k, v, window):
         keys.append(k)
         values.append(v)
-        return ops.causal_attention(q, k, v, window=window, block=model.config.attn_block)
+        return dense_attend(layer, q, k, v, window)
 
     logits = model(tokens, attend=attend)
     last = jnp.clip(length - 1, 0, P - 1)

@@ -4,8 +4,8 @@
     logits = exp.call(tokens)          # tokens (any batch, seq_len) int32 -> (batch, seq_len, vocab) f32
 
 The batch size is symbolic; the sequence length is fixed at export (the model's context by
-default): the blockwise causal attention is unrolled over blocks of a known length, and a symbolic
-length does not convert to TFLite anyway (field notes). The model is causal, so a shorter input
+default): attention is the dense causal form of `decode.dense_attend` (plain ops every runtime
+reads, no loops), and a symbolic length does not convert to TFLite anyway. The model is causal, so a shorter input
 padded at the end gives exact logits at its real positions. The weights are constants of the
 module, which keeps the file self-contained (the form LiteRT wants); a flatbuffer caps that at
 2 GB of weights. `model.mlir` beside it is the same module as StableHLO text, for reading and for
@@ -34,6 +34,7 @@ def export_forward(model, seq_len: int | None = None, platforms: tuple[str, ...]
     """jax.export.Exported of tokens (b, seq_len) int32 -> logits (b, seq_len, vocab) f32."""
     import jax
     import jax.numpy as jnp
+    from flaxchat.export.decode import dense_attend
 
     T = check_seq_len(model.config, seq_len)
     (b,) = jax.export.symbolic_shape("b")
@@ -41,7 +42,8 @@ def export_forward(model, seq_len: int | None = None, platforms: tuple[str, ...]
     # A single-device program whatever mesh the caller has set: under a mesh the module carries
     # Shardy mesh ops that other tools (TFLite) cannot read.
     with jax.set_mesh(None):
-        return jax.export.export(jax.jit(lambda tokens: model(tokens)), platforms=platforms)(spec)
+        forward = lambda tokens: model(tokens, attend=dense_attend)
+        return jax.export.export(jax.jit(forward), platforms=platforms)(spec)
 
 
 def save_stablehlo(model, path: str, seq_len: int | None = None, platforms: tuple[str, ...] | None = None) -> tuple[str, str]:

@@ -79,7 +79,7 @@ def signatures(model, seq_len: int | None = None, prefill_len: int | None = None
     cache = f32(*decode.cache_shape(model, 1, T))
     state_out = ["logits", "k_cache", "v_cache", "prev_embedding"]
     return {
-        "forward": (lambda tokens: model(tokens), [i32(1, T)], ["tokens"], ["logits"]),
+        "forward": (lambda tokens: model(tokens, attend=decode.dense_attend), [i32(1, T)], ["tokens"], ["logits"]),
         "prefill": (lambda tokens, length: decode.prefill(model, tokens, length, T),
                     [i32(1, P), i32(1)], ["tokens", "length"], state_out),
         "decode": (lambda token, position, k, v, prev: decode.decode_step(model, token, position, k, v, prev),
