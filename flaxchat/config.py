@@ -147,7 +147,9 @@ class TrainConfig:
     weight_decay: float = LR["weight_decay"]  # Muon's cautious decay at B_ref and d12; scaled, cosine to 0
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
-    lr_batch_scaling: bool = True  # every LR x sqrt(B / 2^19) (nanochat); off: the LRs as given
+    # every LR x sqrt(B / 2^19) (nanochat): 'auto' applies it with the automatic batch (-1), where the
+    # rule belongs, and not with a batch the user gave (measured worse at small batches: docs/recipe.md)
+    lr_batch_scaling: str = "auto"
     warmup_steps: int = 40
     warmdown_ratio: float = 0.65
     final_lr_frac: float = 0.05
@@ -171,6 +173,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.optimizer not in ("muon", "adamw"):
             raise UserError(f"--optimizer must be 'muon' or 'adamw' (got {self.optimizer!r}).")
+        if self.lr_batch_scaling not in ("auto", "on", "off"):
+            raise UserError(f"--lr-batch-scaling must be auto, on or off (got {self.lr_batch_scaling!r}).")
         if self.sharding not in ("auto", "dp", "fsdp"):
             raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
         if self.attention not in ATTENTION_KERNELS:

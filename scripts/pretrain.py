@@ -28,14 +28,15 @@ HELP = {
     "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: nanochat's automatic "
                         "size, 2^19 x (D/D_ref)^0.383 rounded to a power of two (D: this run's horizon, D_ref: d12's)",
     "param_data_ratio": "training tokens per scaling parameter (block matrices + LM head) when --steps is -1",
-    "matrix_lr": "Muon LR at 2^19 tokens/step; every LR is scaled by sqrt(B/2^19) (nanochat)",
+    "matrix_lr": "Muon LR at 2^19 tokens/step; every LR is scaled by sqrt(B/2^19) (nanochat; see --lr-batch-scaling)",
     "embedding_lr": "token-embedding AdamW LR at d_model 768 and 2^19 tokens/step (scaled by width and batch)",
     "unembedding_lr": "LM-head AdamW LR at d_model 768 and 2^19 tokens/step (scaled by width and batch)",
     "scalar_lr": "per-layer scalar AdamW LR at 2^19 tokens/step (scaled by batch)",
     "weight_decay": "Muon's cautious weight decay at d12 and 2^19 tokens/step; scaled by sqrt(B/B_ref) x D_ref/D, "
                     "cosine to 0",
-    "lr_batch_scaling": "scale every LR by sqrt(total batch / 2^19) as nanochat does (run_tinystories turns it off: "
-                        "at its 1,024-token steps it lowered every LR 22x and made bpb worse; docs/recipe.md)",
+    "lr_batch_scaling": "scale every LR by sqrt(total batch / 2^19) as nanochat does: on, off, or auto (on with the "
+                        "automatic --total-batch-size -1, off with a batch you give: at 1-2K-token steps the rule "
+                        "lowered every LR 16-22x and made val bpb worse; docs/recipe.md)",
     "warmup_steps": "LR warmup steps",
     "warmdown_ratio": "fraction of the steps over which the LR falls linearly to --final-lr-frac",
     "attention": "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla, splash, cudnn",
@@ -183,11 +184,12 @@ def _run(tc: TrainConfig) -> dict:
 
     # --- optimizer ------------------------------------------------------------------------------
     schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
+    scale_lrs = tc.lr_batch_scaling == "on" or (tc.lr_batch_scaling == "auto" and tc.total_batch_size <= 0)
     ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
     opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
-                          ns_dtype=ns_dtype, batch_lr_scale=rule.batch_lr_scale if tc.lr_batch_scaling else 1.0)
+                          ns_dtype=ns_dtype, batch_lr_scale=rule.batch_lr_scale if scale_lrs else 1.0)
     print0(f"recipe: LRs x{opt_cfg.batch_lr_scale:.4f} (sqrt({total:,}/2^19) = {rule.batch_lr_scale:.4f}); "
            f"Muon weight decay {rule.weight_decay:.4f}; "
            f"{steps * total / n_scaling:.1f} tokens per scaling parameter")

@@ -32,7 +32,7 @@ DEFAULTS = dict(
     # nanochat scales every LR by sqrt(B / 2^19); at 1,024 tokens per step that is x0.044, and it
     # made val bpb clearly worse at equal tokens here (docs/recipe.md). The CPU preset keeps the
     # LRs as given; the rest of nanochat's recipe (schedules, weight decay rule, Muon) applies.
-    lr_batch_scaling=False,
+    lr_batch_scaling="off",
     eval_every=250,
     eval_tokens=32_768,
     sample_every=500,
