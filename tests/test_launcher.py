@@ -722,7 +722,7 @@ def test_launcher_imports_no_jax_and_never_asks_for_the_emulator():
     code = ("import sys; from flaxchat.cloud import TPULauncher, TPUConfig; import flaxchat.cloud.launcher; "
             "assert 'jax' not in sys.modules and 'flaxchat.cloud.rehearsal.emulator' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-    for name in ("launcher.py", "gcloud.py", "recovery.py", "worker.py", "topology.py"):
+    for name in ("launcher.py", "cli.py", "gcloud.py", "recovery.py", "worker.py", "topology.py"):
         src = open(os.path.join(REPO, "flaxchat", "cloud", name)).read()
         assert "flaxchat-emulator" not in src and "is_local" not in src, name
     import ast  # the emulator is named in one function only: the one place the backend is chosen
