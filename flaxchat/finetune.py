@@ -86,15 +86,10 @@ class Stage:
         print0(msg)
 
     def finish(self, summary: dict, report: Callable[[], None] | None = None) -> dict:
-        """The tail every stage ends with: the last progress line, the report, then `COMPLETE`."""
-        from flaxchat.report import write_json
-        self.checkpointer.close()
-        self.progress.update(self.step, force=True)
-        if self.compute.is_main:
-            if report is not None:
-                report()
-            write_json(self.path("COMPLETE"), summary)
-        return summary
+        """The tail every stage ends with (`flaxchat.stage.finish`): the last progress line, the
+        report, then `COMPLETE`."""
+        from flaxchat.stage import finish
+        return finish(self.run_dir, self.compute.is_main, self.checkpointer, self.progress, self.step, summary, report)
 
 
 def reshard_conversation_states(states: list[dict], count: int) -> list[dict]:
@@ -146,6 +141,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     from flaxchat.loading import read_run, resolve
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
     from flaxchat.progress import Progress
+    from flaxchat.stage import open_checkpoints
 
     check_sharding(sharding)
     check_folders(base, run_dir)
@@ -153,14 +149,8 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     compute = compute_init(dtype)
     cfg, tokenizer, base_meta = read_run(base)
     ckpt_dir = paths.join(run_dir, "checkpoints")
-    if fresh and compute.is_main:
-        moved = ckpt.set_aside(ckpt_dir)
-        if moved:
-            log(f"--fresh: moved the existing checkpoints to {moved}")
-    _barrier(f"{name}-fresh")
-    checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
-    resume = checkpointer.latest_step()
-    meta = checkpointer.read_meta(resume) if resume is not None else None
+    checkpointer, resume, meta = open_checkpoints(run_dir, fresh=fresh, keep=keep, is_main=compute.is_main,
+                                                  log=log, name=name)
     if meta is not None and GPTConfig.from_dict(meta["model_config"]) != cfg:
         raise UserError(f"{run_dir} holds a checkpoint of a different model than {base}; "
                         "use --fresh or another --run-dir.")
@@ -227,10 +217,3 @@ def reset_schedules(optimizer) -> None:
         if (path[-1] == "count" and not adam_count) or path == ("step",):
             var.set_value(jnp.zeros_like(var.get_value()))
     nnx.update(optimizer, state)
-
-
-def _barrier(name: str) -> None:
-    import jax
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)

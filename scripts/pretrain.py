@@ -75,7 +75,6 @@ def _run(tc: TrainConfig) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from flaxchat import checkpoint as ckpt
     from flaxchat import paths, sharding
     from flaxchat.common import (compute_init, device_peak_flops, fmt_duration, gather_streams, global_batch,
                                  local_streams, peak_rss_mb, print0)
@@ -86,6 +85,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
     from flaxchat.progress import Progress
+    from flaxchat.stage import barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import bits_per_byte, eval_step, sample, train_step
@@ -113,23 +113,17 @@ def _run(tc: TrainConfig) -> dict:
         with paths.local_copy(tok_dir) as local_tok:
             tokenizer = train_or_load(local_tok, lambda: texts_of(train_src), tc.vocab_size,
                                       max_chars=tc.max_chars_tokenizer, log=print0)
-    _barrier("tokenizer")
+    barrier("tokenizer")
     if not compute.is_main:
         with paths.local_copy(tok_dir, upload=False) as local_tok:
             tokenizer = train_or_load(local_tok, lambda: texts_of(train_src), tc.vocab_size,
                                       max_chars=tc.max_chars_tokenizer, log=None)
     token_bytes = jnp.asarray(tokenizer.token_bytes())
 
-    # --- checkpoint: resume or start -----------------------------------------------------------
+    # --- checkpoint: resume or start (the skeleton every stage shares: flaxchat.stage) -----------
     ckpt_dir = paths.join(tc.run_dir, "checkpoints")
-    if tc.fresh and compute.is_main:
-        moved = ckpt.set_aside(ckpt_dir)
-        if moved:
-            print0(f"--fresh: moved the existing checkpoints to {moved}")
-    _barrier("fresh")
-    checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=tc.keep_checkpoints)
-    resume_step = checkpointer.latest_step()
-    meta = checkpointer.read_meta(resume_step) if resume_step is not None else None
+    checkpointer, resume_step, meta = open_checkpoints(tc.run_dir, fresh=tc.fresh, keep=tc.keep_checkpoints,
+                                                       is_main=compute.is_main, log=print0, name="pretrain")
 
     # --- model ---------------------------------------------------------------------------------
     model_cfg = config_for_depth(tc.depth, vocab_size=tokenizer.vocab_size, sequence_len=tc.sequence_len,
@@ -308,16 +302,15 @@ def _run(tc: TrainConfig) -> dict:
             save(step)
         if tokens_window == 0:
             t_window = time.time()  # evaluation, sampling and saving are not training time
-    checkpointer.close()
     batches.close()
-    progress.update(step, force=True)
     train_seconds = time.time() - t_loop
 
     # --- samples, report, completion marker -------------------------------------------------------
     samples = stories()
     summary = dict(is_main=compute.is_main, step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
                    train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=paths.absolute(tc.run_dir))
-    if compute.is_main:
+
+    def report():  # process 0, before COMPLETE
         print0("\n--- sampled stories ---")
         for s in samples:
             print0(s + "\n")
@@ -334,22 +327,16 @@ def _run(tc: TrainConfig) -> dict:
             ("Samples", [s.replace("\n", " ") for s in samples]),
             ("Config", model_cfg.to_dict()),
         ])
-        write_json(complete_marker, summary)
-        print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val bpb {last_bpb}; "
-               f"report {paths.join(tc.run_dir, 'report.md')}")
+
+    finish(tc.run_dir, compute.is_main, checkpointer, progress, step, summary, report)
+    print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val bpb {last_bpb}; "
+           f"report {paths.join(tc.run_dir, 'report.md')}")
     summary["samples"] = samples
     return summary
 
 
 def _until_bos(tokens, bos):
     return tokens[:tokens.index(bos)] if bos in tokens else tokens
-
-
-def _barrier(name: str) -> None:
-    import jax
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
 
 
 if __name__ == "__main__":

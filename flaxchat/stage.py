@@ -1,0 +1,57 @@
+"""What every training stage (pretraining, SFT, RL) does around its own recipe, in one place.
+
+    checkpointer, step, meta = open_checkpoints(run_dir, fresh=..., keep=..., is_main=..., log=print0)
+    ...the stage's recipe: model, optimizer (sharding.create_sharded), data, loop (Progress)...
+    finish(run_dir, is_main, checkpointer, progress, step, summary, report)
+
+`open_checkpoints` is resume-or-start: `--fresh` sets the old checkpoints aside (never deletes
+them; process 0 only, then every process waits), and the latest complete step with its meta is
+what the stage resumes from. `finish` is the tail: the last save is flushed, the progress file
+records the final step on every process, process 0 writes the report and then `COMPLETE` (what
+launchers wait for), so a `COMPLETE` never stands beside a half-written report. Both go through
+`flaxchat.paths` and Orbax, so the run folder may be local or `gs://`. `flaxchat.finetune` builds
+the later stages' model/optimizer opening on top of these; `scripts.pretrain` uses them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def barrier(name: str) -> None:
+    """Every process of the job reaches this point before any goes on (a no-op in one process)."""
+    import jax
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def open_checkpoints(run_dir: str, *, fresh: bool, keep: int, is_main: bool, log: Callable[[str], None],
+                     name: str = "stage"):
+    """(checkpointer, resume step or None, its meta or None) for `run_dir/checkpoints`."""
+    from flaxchat import checkpoint as ckpt
+    from flaxchat import paths
+    ckpt_dir = paths.join(run_dir, "checkpoints")
+    if fresh and is_main:
+        moved = ckpt.set_aside(ckpt_dir)
+        if moved:
+            log(f"--fresh: moved the existing checkpoints to {moved}")
+    barrier(f"{name}-fresh")
+    checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
+    step = checkpointer.latest_step()
+    meta = checkpointer.read_meta(step) if step is not None else None
+    return checkpointer, step, meta
+
+
+def finish(run_dir: str, is_main: bool, checkpointer, progress, step: int, summary: dict,
+           report: Callable[[], None] | None = None) -> dict:
+    """Flush the checkpointer, record the last step, then (process 0) the report and `COMPLETE`."""
+    from flaxchat import paths
+    from flaxchat.report import write_json
+    checkpointer.close()
+    progress.update(step, force=True)
+    if is_main:
+        if report is not None:
+            report()
+        write_json(paths.join(run_dir, "COMPLETE"), summary)
+    return summary
