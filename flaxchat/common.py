@@ -117,6 +117,14 @@ def global_batch(compute: Compute, local: np.ndarray, leading: int = 1) -> jax.A
     return jax.make_array_from_process_local_data(compute.batch_sharding(leading), local)
 
 
+def global_from_full(compute: Compute, full: np.ndarray, leading: int = 1) -> jax.Array:
+    """The whole batch, identical on every process (RL's rollouts: same seed, same samples) -> one
+    global array with rows split over the devices; each process places only its own devices' rows.
+    (`global_batch` would take each process's array as that process's rows and count them twice.)"""
+    sharding = compute.batch_sharding(leading)
+    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+
+
 # bf16 dense peak FLOP/s per chip, from the vendors' spec sheets (for MFU on accelerators).
 PEAK_FLOPS_BY_KIND = {
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,

@@ -100,7 +100,7 @@ def _run(cfg: RLConfig) -> dict:
     from flax import nnx
 
     from flaxchat import paths
-    from flaxchat.common import fmt_duration, global_batch, print0
+    from flaxchat.common import fmt_duration, global_from_full, print0
     from flaxchat.engine import Engine
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
@@ -162,8 +162,8 @@ def _run(cfg: RLConfig) -> dict:
         t0 = time.time()
         inputs, targets, weights, rewards = rollout(step)
         t_gen = time.time() - t0
-        policy_step(model, stage.optimizer, global_batch(compute, inputs), global_batch(compute, targets),
-                    global_batch(compute, weights))
+        policy_step(model, stage.optimizer, global_from_full(compute, inputs), global_from_full(compute, targets),
+                    global_from_full(compute, weights))
         refresh_engine()
         step += 1
         if stage.progress.due():

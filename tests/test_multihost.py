@@ -121,3 +121,30 @@ def test_two_processes_train_as_one_job_like_one_process(tmp_path):
     assert "2 device(s) in 1 process(es)" in out
     reference = [float(v) for _, v in EXACT.findall(out)]
     assert reference == pytest.approx(losses[0], rel=1e-6)
+
+
+# Two processes that hold the same whole batch (RL: every process samples the same rollouts from the
+# same seed) must make one global batch of it, not one with every row twice.
+ROWS = r'''
+import jax, numpy as np
+from flaxchat.common import compute_init, global_batch, global_from_full
+from jax.experimental import multihost_utils
+compute = compute_init("float32").with_sharding("dp")  # joins the job from JAX_COORDINATOR_ADDRESS etc.
+assert jax.process_count() == 2
+full = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)  # (prompts, samples, T), the same everywhere
+x = global_from_full(compute, full)
+back = multihost_utils.process_allgather(x, tiled=True)
+assert x.shape == full.shape and np.array_equal(back, full), (x.shape, back)
+assert global_batch(compute, full).shape == (2, 8, 3)  # what RL used: each process's copy counted as its own rows
+print("OK", jax.process_index(), flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_every_process_holds_whole_becomes_one_global_batch():
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", ROWS], env=cpu_env(2, **coordinator_env(port, 2, i)), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all(f"OK {i}" in out for i, out in enumerate(outs)), outs
