@@ -10,6 +10,14 @@ Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·
   flaxchat   the real step (fast-backward matmul, --attention: auto is the blockwise kernel on CPU, Muon+AdamW),
              one micro-batch
   flaxchat16k  the real step at 16,384 tokens per optimizer step (gradient accumulation in one jit)
+
+`--phases` adds, for the flaxchat modes, where a step's time goes, each phase jitted and timed on its
+own (median), as ms per step and as a share of the same run's matmul peak:
+  fwd+bwd    the same train step with a no-op optimizer: every micro-batch's forward and backward,
+             the accumulation and the scan (FLOPs: the model's 6N + 12LdT per token)
+  update     the step minus that: the optimizer (Muon and the AdamW groups)
+  muon-ns    Muon's orthogonalisation alone, jitted on its own: Polar Express on every block
+             matrix (FLOPs per m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3)
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from flaxchat import ops
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer, param_label, polar_express
 from flaxchat.train import train_step
 
 CONFIGS = {
@@ -51,6 +59,52 @@ def autodiff_matmul():
         yield
     finally:
         ops.matmul = saved
+
+
+def _median_ms(fn, steps: int) -> float:
+    jax.block_until_ready(fn())  # compile
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+def muon_matrices(model: GPT) -> list[jax.Array]:
+    """The block matrices Muon orthogonalises (by the optimizer's own labels)."""
+    out = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if param_label(".".join(map(str, path))) == "matrix":
+            out.append(var.get_value())
+    return out
+
+
+def ns_flops(shape, steps: int = 5) -> float:
+    m, n = sorted(shape[-2:])
+    return steps * (4 * m * m * n + 2 * m ** 3) * int(np.prod(shape[:-2], dtype=np.int64))
+
+
+def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, full_ms: float, seed: int = 0) -> dict:
+    """ms per step of each phase (see the module docstring) and its FLOPs (None: not counted).
+
+    fwd+bwd is the real train step (same jit, donation and scan) with an optimizer that only adds
+    0 x gradient to every parameter, so the update is the rest of the measured step: timing the
+    gradient program on its own read slower than the whole step (its outputs are fresh buffers)."""
+    import optax
+    model = GPT(cfg, rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
+    y = jnp.roll(x, -1, axis=-1)
+    fwdbwd = _median_ms(lambda: train_step(model, opt, x, y), steps)
+    mats = muon_matrices(model)
+    ns = jax.jit(lambda ms: [polar_express(g) for g in ms])
+    ns_ms = _median_ms(lambda: ns(mats), steps)
+    tokens = accum * rows * cfg.sequence_len
+    return {"fwd+bwd": (fwdbwd, tokens * estimate_flops(model, window_aware=False)),
+            "update": (full_ms - fwdbwd, None),
+            "muon-ns": (ns_ms, sum(ns_flops(g.shape) for g in mats))}
 
 
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
@@ -81,7 +135,14 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
     p.add_argument("--attention", default="auto", help="attention kernel of the flaxchat modes (default: %(default)s)")
+    p.add_argument("--phases", action="store_true", help="also split the flaxchat modes' step by phase")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1.")
+    import platform
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor() or "unknown CPU") if os.path.exists("/proc/cpuinfo") else platform.processor()
+    print(f"cpu: {cpu}")
 
     peak = measured_matmul_peak(2048, jnp.float32)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
@@ -105,6 +166,13 @@ def main(argv=None):
             mfu = 100 * r["tok_s"] * r["flops_per_tok"] / peak
             print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {mfu:>5.1f}% "
                   f"{r['compile_s']:>7.1f}s", flush=True)
+            if args.phases and mode != "baseline":
+                rows, accum = (spec["rows"], 1) if mode == "flaxchat" else (micro, 16384 // (micro * T))
+                split = phases(cfg, rows, accum, args.steps, r["ms"])
+                for phase, (ms, flops) in split.items():
+                    share = f"{100 * ms / r['ms']:5.1f}% of the step"
+                    at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops else ""
+                    print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB")
 
