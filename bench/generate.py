@@ -108,42 +108,15 @@ def step_kernels() -> int:
 def profile_step(engine, prompt, new: int) -> None:
     """Where a batch-1 decode step's time goes: XLA:CPU's per-kernel trace events (one greedy run under
     jax.profiler), summed per step by kind, matrix products by output shape."""
-    import collections
-    import glob
-    import gzip
-    import json
-    import re
-    import tempfile
-    folder = tempfile.mkdtemp(prefix="flaxchat-profile-")
+    from bench import profiling
     decode_run(engine, prompt, new, temperature=0.0, chunk=4096)
-    jax.profiler.start_trace(folder, create_perfetto_trace=True)
-    _, _, n = decode_run(engine, prompt, new, temperature=0.0, chunk=4096)
-    jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
-    events = []
-    if files:
-        with gzip.open(files[0]) as f:
-            events = json.load(f)["traceEvents"]
+    done = []
     text = next(fn.as_text() for key, fn in E._COMPILED.items() if key[1] == "advance")
-    loop_kernels = set(re.findall(r"%(\S+) = ", text))  # the decode loop's instructions, by name
-    out_shape = dict(re.findall(r"%(dot[.\d]*) = (\S+?)\{", text))
-    per_kind, kernels = collections.Counter(), collections.defaultdict(set)
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") != "X" or name not in loop_kernels:
-            continue
-        kind = f"dot -> {out_shape.get(name, '?')}" if name.startswith("dot") else re.sub(r"\.\d+$", "", name)
-        per_kind[kind] += e["dur"] / max(n - 1, 1)
-        kernels[kind].add(name)
-    total = sum(per_kind.values())
-    if not total:
-        print("profile: no per-kernel events (this jaxlib does not trace XLA:CPU kernels)")
-        return
-    dots = sum(v for k, v in per_kind.items() if k.startswith("dot"))
-    print(f"profile of one decode step (traced, so slower than untraced): {total:,.0f} us in "
-          f"{sum(len(v) for v in kernels.values())} kernels, matrix products {dots / total:.0%}")
-    for kind, us in per_kind.most_common(8):
-        print(f"  {us:7.0f} us  {len(kernels[kind]):3d} x {kind}")
+    per_kind, kernels = profiling.kernel_times(
+        lambda: done.append(decode_run(engine, prompt, new, temperature=0.0, chunk=4096)[2]), text)
+    steps = max(done[0] - 1, 1)  # decode steps in the traced run
+    per_kind = type(per_kind)({kind: us / steps for kind, us in per_kind.items()})
+    profiling.print_table("one decode step", per_kind, kernels)
 
 
 def _timed(fn) -> float:
@@ -270,7 +243,8 @@ def main(argv=None) -> None:
     if args.prompt_len >= CONFIG_A.sequence_len:
         raise UserError(f"--prompt-len must be below config A's context of {CONFIG_A.sequence_len} tokens.")
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+        from bench import profiling
+        profiling.enable()
     bench_engine(args)
     if args.main_run and args.draft_run:
         bench_speculative(args)

@@ -2,6 +2,7 @@
 
     python -m bench.train_throughput                 # configs A and B, all modes (~5 min on 2 cores)
     python -m bench.train_throughput --configs A --steps 5
+    python -m bench.train_throughput --configs A --modes flaxchat --phases --profile
 
 Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak
 (the plain formula, full T for every layer). Modes per config:
@@ -107,6 +108,20 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, full_ms: float, se
             "muon-ns": (ns_ms, sum(ns_flops(g.shape) for g in mats))}
 
 
+def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0) -> None:
+    """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
+    from bench import profiling
+    model = GPT(cfg, rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd), Schedule(1000)),
+                        wrt=nnx.Param)
+    x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
+    y = jnp.roll(x, -1, axis=-1)
+    text = train_step.lower(model, opt, x, y).compile().as_text()
+    train_step(model, opt, x, y).block_until_ready()
+    per_kind, kernels = profiling.kernel_times(lambda: train_step(model, opt, x, y).block_until_ready(), text)
+    profiling.print_table(what, per_kind, kernels, top=12)
+
+
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
     model = GPT(cfg, rngs=nnx.Rngs(seed))
     tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd), Schedule(1000))
@@ -136,7 +151,12 @@ def main(argv=None):
     p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
     p.add_argument("--attention", default="auto", help="attention kernel of the flaxchat modes (default: %(default)s)")
     p.add_argument("--phases", action="store_true", help="also split the flaxchat modes' step by phase")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where a flaxchat step's time goes, kernel by kernel (XLA:CPU trace)")
     args = p.parse_args(argv)
+    if args.profile:  # read when the CPU backend starts, i.e. before the first computation
+        from bench import profiling
+        profiling.enable()
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1.")
     import platform
@@ -166,8 +186,10 @@ def main(argv=None):
             mfu = 100 * r["tok_s"] * r["flops_per_tok"] / peak
             print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {mfu:>5.1f}% "
                   f"{r['compile_s']:>7.1f}s", flush=True)
+            rows, accum = (spec["rows"], 1) if mode != "flaxchat16k" else (micro, 16384 // (micro * T))
+            if args.profile and mode != "baseline":
+                profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
             if args.phases and mode != "baseline":
-                rows, accum = (spec["rows"], 1) if mode == "flaxchat" else (micro, 16384 // (micro * T))
                 split = phases(cfg, rows, accum, args.steps, r["ms"])
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / r['ms']:5.1f}% of the step"
