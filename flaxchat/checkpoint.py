@@ -4,7 +4,8 @@ Layout: <run_dir>/checkpoints/<step>/{model,optimizer,meta}. `meta` is JSON: the
 training configs, the step, the data loader's position and anything else a resumed run needs to
 continue exactly where it stopped. Saves are asynchronous (training goes on while the bytes are
 written); a save killed half-way leaves `<step>.orbax-checkpoint-tmp*`, which `latest_step()` never
-picks and `cleanup_tmp_directories` removes on the next start (field notes).
+picks and `cleanup_tmp_directories` removes on the next start (checked with a SIGKILL mid-save:
+the previous step restores; without the cleanup option the temp folder stays for good).
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def maybe_initialize_distributed(timeout_s: int = 300) -> None:
 
 def resolve_dtype(name: str = "auto") -> jnp.dtype:
     if name == "auto":
-        # bf16 where the hardware has bf16 matrix units; fp32 on CPU, where bf16 is slower (field notes).
+        # bf16 where the hardware has bf16 matrix units; fp32 on CPU, where XLA's bf16 dot is slower
+        # (a 2048^3 matmul: ~440 GFLOP/s fp32 against ~340 bf16 on a 2-core AVX-512 machine).
         return jnp.bfloat16 if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else jnp.float32
     return jnp.dtype(name)
 

@@ -1,6 +1,6 @@
 """Inference: a KV cache, prefill + a jitted decode loop, sampling, tool use, speculative decoding.
 
-Design (measured on a 2-core CPU, see docs/inference.md and FIELD-NOTES "Speed facts"):
+Design (measured on a 2-core CPU; the figures are in docs/inference.md):
 * The cache is one array per layer for keys, (batch*kv_heads, head_dim, time), and one for values,
   (batch*kv_heads, time, head_dim): exactly the operands of the two attention matmuls, so a step
   writes its column in place and the matmuls read the cache as it lies. A stacked
