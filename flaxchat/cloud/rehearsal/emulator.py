@@ -648,20 +648,23 @@ def preempt(name: str, zone: str, project: str, state: str = "PREEMPTED") -> int
     return killed
 
 
-def set_state(name: str, zone: str, project: str, state: str) -> None:
+def _update_node(name: str, zone: str, project: str, change) -> None:
+    """Read a node, let `change(node)` edit it, write it back, all under the state lock."""
     with _locked():
         node = load_node(project, zone, name)
-        node["state"] = state
+        change(node)
         _write(_node_file(project, zone, name), node)
+
+
+def set_state(name: str, zone: str, project: str, state: str) -> None:
+    _update_node(name, zone, project, lambda node: node.update(state=state))
 
 
 def set_unreachable(name: str, zone: str, project: str, worker: int, on: bool = True) -> None:
-    with _locked():
-        node = load_node(project, zone, name)
+    def change(node):
         ids = set(node.get("unreachable", []))
-        ids = ids | {worker} if on else ids - {worker}
-        node["unreachable"] = sorted(ids)
-        _write(_node_file(project, zone, name), node)
+        node["unreachable"] = sorted(ids | {worker} if on else ids - {worker})
+    _update_node(name, zone, project, change)
 
 
 def fail_next(verb: str, message: str, code: int = 1, times: int = 1, zone: str | None = None) -> None:
@@ -706,10 +709,7 @@ def _take_fault_unlocked(verb: str, zone: str | None = None):
 
 def set_health(name: str, zone: str, project: str, health: str) -> None:
     """Google's `health` field of a READY node (HEALTHY, TIMEOUT, UNHEALTHY_MAINTENANCE, ...)."""
-    with _locked():
-        node = load_node(project, zone, name)
-        node["health"] = health
-        _write(_node_file(project, zone, name), node)
+    _update_node(name, zone, project, lambda node: node.update(health=health))
 
 
 def list_nodes() -> list[dict]:
