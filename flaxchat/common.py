@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxchat.errors import UserError
-from flaxchat.sharding import BATCH, make_mesh
+from flaxchat.sharding import BATCH, make_mesh, place_identical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +122,7 @@ def global_from_full(compute: Compute, full: np.ndarray, leading: int = 1) -> ja
     """The whole batch, identical on every process (RL's rollouts: same seed, same samples) -> one
     global array with rows split over the devices; each process places only its own devices' rows.
     (`global_batch` would take each process's array as that process's rows and count them twice.)"""
-    sharding = compute.batch_sharding(leading)
-    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+    return place_identical(full, compute.batch_sharding(leading))
 
 
 # bf16 dense peak FLOP/s per chip, from the vendors' spec sheets (for MFU on accelerators).

@@ -101,7 +101,9 @@ def param_specs(state: nnx.State, mesh: Mesh) -> dict[str, P]:
     return specs
 
 
-def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+def place_identical(x, sharding: NamedSharding) -> jax.Array:
+    """An array every process holds whole and identical (same seed, same checkpoint, same rollouts)
+    -> one global array under `sharding`; each process places only its own devices' shards."""
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     host = np.asarray(x)  # identical on every process (same seed / same checkpoint)
@@ -145,7 +147,7 @@ def placements(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh):
 def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
     """Place parameters and optimizer state on the mesh by the rules (see `placements`)."""
     for var, where in list(placements(model, optimizer, mesh)):
-        var.set_value(_put(var.get_value(), where))
+        var.set_value(place_identical(var.get_value(), where))
 
 
 def create_sharded(make_model, make_optimizer, mesh: Mesh):
@@ -165,7 +167,7 @@ def create_sharded(make_model, make_optimizer, mesh: Mesh):
     for i, x in zip(side["computed"], computed):
         leaves[i] = x
     for i, value in side["loaded"].items():
-        leaves[i] = _put(value, side["shardings"][i])
+        leaves[i] = place_identical(value, side["shardings"][i])
     return nnx.merge(side["graphdef"], jax.tree.unflatten(side["treedef"], leaves))
 
 
