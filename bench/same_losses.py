@@ -1,0 +1,78 @@
+"""The losses of the first N train steps, to check that a speed change changed no arithmetic.
+
+    python -m bench.same_losses --out before.json          # on the old code
+    python -m bench.same_losses --compare before.json      # on the new code: the largest difference
+
+The main job's shape (depth 4, 8 rows of 256 tokens per step, Muon + AdamW with the default
+recipe), a fixed seed and fixed token rows drawn from the built-in stories' vocabulary size, so two
+checkouts run the same steps. `--compare` prints each step's two losses and exits 1 when one differs
+by more than `--rtol` (float summation order differs between kernels; a recipe change moves the
+losses by far more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def losses(steps: int, rows: int, accum: int, seed: int = 0) -> list[float]:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from flaxchat.config import config_for_depth
+    from flaxchat.gpt import GPT
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.train import train_step
+
+    cfg = config_for_depth(4, vocab_size=4096, sequence_len=256)
+    model = GPT(cfg, rngs=nnx.Rngs(seed))
+    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd), Schedule(1000))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+    # A Zipf-like token distribution, so the model has something to learn in 20 steps.
+    p = 1.0 / np.arange(1, cfg.vocab_size + 1)
+    out = []
+    for _ in range(steps):
+        x = rng.choice(cfg.vocab_size, size=(accum, rows, cfg.sequence_len + 1), p=p / p.sum()).astype(np.int32)
+        out.append(float(train_step(model, optimizer, jnp.asarray(x[..., :-1]), jnp.asarray(x[..., 1:]))))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.same_losses", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=8, help="rows of 256 tokens per micro-batch (default 8)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (default 1)")
+    ap.add_argument("--out", help="write the losses to this JSON file")
+    ap.add_argument("--compare", help="compare with the losses in this JSON file")
+    ap.add_argument("--rtol", type=float, default=1e-4, help="largest relative difference accepted (default 1e-4)")
+    args = ap.parse_args(argv)
+    got = losses(args.steps, args.rows, args.accum)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(got, f)
+    if not args.compare:
+        print(" ".join(f"{v:.7f}" for v in got))
+        return 0
+    with open(args.compare) as f:
+        ref = json.load(f)
+    if len(ref) != len(got):
+        print(f"{args.compare} holds {len(ref)} losses, this run {len(got)}; run both with the same --steps.")
+        return 2
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(ref, got), 1):
+        rel = abs(a - b) / max(abs(a), 1e-12)
+        worst = max(worst, rel)
+        print(f"step {i:3d}  {a:.7f}  {b:.7f}  rel diff {rel:.1e}")
+    ok = worst <= args.rtol
+    print(f"largest relative difference {worst:.1e}: {'same' if ok else 'DIFFERENT'} within rtol {args.rtol:g}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
