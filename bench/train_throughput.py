@@ -12,13 +12,16 @@ Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·
              one micro-batch
   flaxchat16k  the real step at 16,384 tokens per optimizer step (gradient accumulation in one jit)
 
-`--phases` adds, for the flaxchat modes, where a step's time goes, each phase jitted and timed on its
-own (median), as ms per step and as a share of the same run's matmul peak:
-  fwd+bwd    the same train step with a no-op optimizer: every micro-batch's forward and backward,
-             the accumulation and the scan (FLOPs: the model's 6N + 12LdT per token)
-  update     the step minus that: the optimizer (Muon and the AdamW groups)
-  muon-ns    Muon's orthogonalisation alone, jitted on its own: Polar Express on every block
-             matrix (FLOPs per m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3)
+`--phases` adds, for the flaxchat modes, where a step's time goes. Three copies of the real step run
+in interleaved rounds (median ms): the full step, the step without Polar Express's iterations and
+the step with a no-op optimizer; the phases are their differences, as ms, share of the step and
+share of the same run's matmul peak (FLOPs: the model's 6N + 12LdT per token; Polar Express per
+m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3):
+  fwd+bwd    every micro-batch's forward and backward, the accumulation and the scan
+  update     the optimizer: muon-ns (Polar Express as it costs inside the step) + rest (momentum,
+             MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
+  ns-fp32, ns-bf16  Polar Express alone on the model's gradients, jitted on its own, in each dtype,
+             and how much bf16 changes the update (what `optim.orthogonalisation_dtype` weighs)
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ def _median_ms(fn, steps: int) -> float:
     return float(np.median(times)) * 1e3
 
 
+PHASES = {
+    "step": "(the full step, timed interleaved with the two below)",
+    "fwd+bwd": "(the step with a no-op optimizer)",
+    "update": "(step - fwd+bwd: Muon and the AdamW groups)",
+    "muon-ns": "(step - the step without Polar Express's iterations)",
+    "rest": "(the update's rest: momentum, normalisations, NorMuon, AdamW groups)",
+    "ns-fp32": "(Polar Express alone, jitted on its own, fp32)",
+    "ns-bf16": "(the same in bf16)",
+}
+
+
 def muon_matrices(model: GPT) -> list[jax.Array]:
     """The block matrices Muon orthogonalises (by the optimizer's own labels)."""
     out = []
@@ -86,26 +100,54 @@ def ns_flops(shape, steps: int = 5) -> float:
     return steps * (4 * m * m * n + 2 * m ** 3) * int(np.prod(shape[:-2], dtype=np.int64))
 
 
-def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, full_ms: float, seed: int = 0) -> dict:
-    """ms per step of each phase (see the module docstring) and its FLOPs (None: not counted).
+def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> dict:
+    """ms per step of each phase (see the module docstring), its FLOPs (None: not counted), and
+    Polar Express alone in fp32 and bf16 with the update difference bf16 makes.
 
-    fwd+bwd is the real train step (same jit, donation and scan) with an optimizer that only adds
-    0 x gradient to every parameter, so the update is the rest of the measured step: timing the
-    gradient program on its own read slower than the whole step (its outputs are fresh buffers)."""
+    Three copies of the real train step (same jit, donation and scan) run in interleaved rounds, so a
+    machine that speeds up or slows down mid-run moves all of them alike: the full step; the step
+    with Polar Express's iterations removed (ns_steps=0); and the step with a no-op optimizer (adds
+    0 x gradient). Their differences are the phases as they cost inside the step."""
     import optax
-    model = GPT(cfg, rngs=nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    from flaxchat.train import token_losses
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
-    fwdbwd = _median_ms(lambda: train_step(model, opt, x, y), steps)
-    mats = muon_matrices(model)
-    ns = jax.jit(lambda ms: [polar_express(g) for g in ms])
-    ns_ms = _median_ms(lambda: ns(mats), steps)
+    variants = {"full": OptimConfig(optimizer="muon", n_embd=cfg.n_embd),
+                "no-ns": OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_steps=0), "noop": None}
+    runs, times = {}, {k: [] for k in variants}
+    for name, oc in variants.items():
+        model = GPT(cfg, rngs=nnx.Rngs(seed))
+        tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000))
+        runs[name] = (model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+        train_step(*runs[name], x, y).block_until_ready()  # compile
+    for _ in range(steps):
+        for name, (model, opt) in runs.items():
+            t = time.perf_counter()
+            train_step(model, opt, x, y).block_until_ready()
+            times[name].append(time.perf_counter() - t)
+    ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
+    model = runs["full"][0]
+    grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
+    mats = [g for path, g in nnx.to_flat_state(grads) if param_label(".".join(map(str, path))) == "matrix"]
+    mats = [m.get_value() if hasattr(m, "get_value") else m for m in mats]
+    alone = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms])
+        alone[jnp.dtype(dtype).name] = (_median_ms(lambda: ns(mats), steps), ns(mats))
+    diff = [float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32)) / jnp.linalg.norm(b))
+            for a, b in zip(alone["bfloat16"][1], alone["float32"][1])]
     tokens = accum * rows * cfg.sequence_len
-    return {"fwd+bwd": (fwdbwd, tokens * estimate_flops(model, window_aware=False)),
-            "update": (full_ms - fwdbwd, None),
-            "muon-ns": (ns_ms, sum(ns_flops(g.shape) for g in mats))}
+    ns_flops_total = sum(ns_flops(g.shape) for g in mats)
+    return {"step": (ms["full"], None),
+            "fwd+bwd": (ms["noop"], tokens * estimate_flops(model, window_aware=False)),
+            "update": (ms["full"] - ms["noop"], None),
+            "muon-ns": (ms["full"] - ms["no-ns"], ns_flops_total),
+            "rest": (ms["no-ns"] - ms["noop"], None),
+            "ns-fp32": (alone["float32"][0], ns_flops_total),
+            "ns-bf16": (alone["bfloat16"][0], ns_flops_total),
+            "bf16-diff": float(np.median(diff))}
 
 
 def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0) -> None:
@@ -190,11 +232,15 @@ def main(argv=None):
             if args.profile and mode != "baseline":
                 profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
             if args.phases and mode != "baseline":
-                split = phases(cfg, rows, accum, args.steps, r["ms"])
+                split = phases(cfg, rows, accum, args.steps)
+                bf16_diff = split.pop("bf16-diff")
+                step_ms = split["step"][0]
                 for phase, (ms, flops) in split.items():
-                    share = f"{100 * ms / r['ms']:5.1f}% of the step"
-                    at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops else ""
-                    print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}", flush=True)
+                    share = f"{100 * ms / step_ms:5.1f}% of the step"
+                    at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops and ms > 0 else ""
+                    print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}  {PHASES[phase]}", flush=True)
+                print(f"{'':6}   Polar Express in bf16 changes the update by {bf16_diff:.1e} (median relative "
+                      f"Frobenius difference over the block matrices)", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB")
 

@@ -83,7 +83,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.data.prefetch import Prefetcher
     from flaxchat.data.sources import resolve_source
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, scaling
     from flaxchat.progress import Progress
     from flaxchat.stage import barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
@@ -179,13 +179,13 @@ def _run(tc: TrainConfig) -> dict:
     # --- optimizer ------------------------------------------------------------------------------
     schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
     scale_lrs = tc.lr_batch_scaling == "on" or (tc.lr_batch_scaling == "auto" and tc.total_batch_size <= 0)
-    ns_dtype = "bfloat16" if compute.backend in ("tpu", "gpu") else "float32"
+    ns_dtype = orthogonalisation_dtype(compute.backend)  # bf16 only where it measures faster
     opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
                           ns_dtype=ns_dtype, batch_lr_scale=rule.batch_lr_scale if scale_lrs else 1.0)
     print0(f"recipe: LRs x{opt_cfg.batch_lr_scale:.4f} (sqrt({total:,}/2^19) = {rule.batch_lr_scale:.4f}); "
-           f"Muon weight decay {rule.weight_decay:.4f}; "
+           f"Muon weight decay {rule.weight_decay:.4f}, Polar Express in {ns_dtype}; "
            f"{steps * total / n_scaling:.1f} tokens per scaling parameter")
     layout = sharding.choose(tc.sharding, 4 * n_params, 2.0, sharding.device_memory_bytes())
     compute = compute.with_sharding(layout)

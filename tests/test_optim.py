@@ -215,3 +215,21 @@ def test_a_few_steps_lower_the_loss(which):
     y = jnp.roll(x, -1, -1)
     losses = [float(train_step(model, opt, x, y)) for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_orthogonalisation_dtype_is_bf16_only_where_it_measures_faster():
+    from flaxchat.optim import orthogonalisation_dtype
+    assert orthogonalisation_dtype("tpu") == orthogonalisation_dtype("gpu") == "bfloat16"
+    # On CPU the choice is a measurement: any bf16 rate beats a 0x bar, none beats a 1e9x one.
+    assert orthogonalisation_dtype("cpu", speedup=0.0) == "bfloat16"
+    assert orthogonalisation_dtype("cpu", speedup=1e9) == "float32"
+
+
+def test_ns_steps_zero_leaves_only_the_normalisations():
+    import jax
+    import jax.numpy as jnp
+    from flaxchat.optim import polar_express, renormalise
+    g = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
+    o0, o5 = renormalise(polar_express(g, 0)), renormalise(polar_express(g, 5))
+    s0, s5 = jnp.linalg.svd(o0, compute_uv=False), jnp.linalg.svd(o5, compute_uv=False)
+    assert float(s0.max() / s0.min()) > 3 * float(s5.max() / s5.min())  # the iterations flatten the spectrum
