@@ -204,7 +204,10 @@ def main(argv=None):
     import platform
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor() or "unknown CPU") if os.path.exists("/proc/cpuinfo") else platform.processor()
-    print(f"cpu: {cpu}")
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
+                 []) if os.path.exists("/proc/cpuinfo") else []
+    matrix_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    print(f"cpu: {cpu} ({', '.join(matrix_flags) or 'no AVX2/AVX-512/AMX flags seen'})")
 
     peak = measured_matmul_peak(2048, jnp.float32)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
@@ -238,6 +241,8 @@ def main(argv=None):
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / step_ms:5.1f}% of the step"
                     at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops and ms > 0 else ""
+                    if flops and ms > 0 and flops / (ms / 1e3) > peak:
+                        at_peak += " [above peak: noise between the medians; rerun with more --steps]"
                     print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}  {PHASES[phase]}", flush=True)
                 print(f"{'':6}   Polar Express in bf16 changes the update by {bf16_diff:.1e} (median relative "
                       f"Frobenius difference over the block matrices)", flush=True)
