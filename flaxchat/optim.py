@@ -182,28 +182,19 @@ def _normuon(o: jax.Array, v: jax.Array, beta2: float):
     return (of * scale).astype(o.dtype), v
 
 
-def orthogonalisation_dtype(backend: str, speedup: float = 1.3) -> str:
-    """Polar Express's dtype on this machine: bf16 where bf16 matrix products are fast, else fp32.
+def orthogonalisation_dtype(backend: str) -> str:
+    """Polar Express's dtype: bf16 on TPU and GPU (their matrix units; nanochat runs it in bf16 on
+    GPU), fp32 on CPU.
 
-    TPU and GPU: bf16 (their matrix units; nanochat runs it in bf16 on GPU). CPU: measured at run
-    time, since CPUs differ: bf16 only when a 1024³ bf16 matmul runs `speedup` times faster than the
-    fp32 one here (AMX-class units). On a 2-core AMD EPYC (Zen 5, AVX-512 BF16) bf16 read slower,
-    354 against 493 GFLOP/s at 2048³, and Polar Express over the 24 block matrices of a depth-4
-    model took 56.3 ms in bf16 against 49.5 ms in fp32, so it stays fp32 there. bf16 moves that
-    model's orthogonalised gradients by 6.5e-2 (median relative Frobenius difference, measured on
-    the same machine; `python -m bench.train_throughput --phases` prints both figures anywhere).
+    On a 2-core AMD EPYC (Zen 5, AVX-512 BF16) bf16 read slower, 354 against 493 GFLOP/s at 2048³,
+    and Polar Express over a depth-4 model's block matrices took 56.4 ms in bf16 against 49.5 ms in
+    fp32. bf16 also moved the orthogonalised gradients by 4.5-6.5e-2 (median relative Frobenius
+    difference). CPUs with AMX were not measured. A timing probe at start-up is no way to choose:
+    on a busy machine two runs of one job, or a run and its resume, could land on different dtypes
+    and so different updates. `python -m bench.train_throughput --phases` prints both dtypes'
+    times and the difference on any machine.
     """
-    if backend in ("tpu", "gpu", "cuda", "rocm"):
-        return "bfloat16"
-    if backend != "cpu":
-        return "float32"
-    from flaxchat.common import measured_matmul_peak
-    fp32, bf16 = measured_matmul_peak(1024, jnp.float32), measured_matmul_peak(1024, jnp.bfloat16)
-    use_bf16 = bf16 >= speedup * fp32
-    if jax.process_count() > 1:  # every process must run the same update: process 0's measurement decides
-        from jax.experimental import multihost_utils
-        use_bf16 = bool(multihost_utils.broadcast_one_to_all(jnp.int32(use_bf16)))
-    return "bfloat16" if use_bf16 else "float32"
+    return "bfloat16" if backend in ("tpu", "gpu", "cuda", "rocm") else "float32"
 
 
 # --- parameter groups ---------------------------------------------------------------------------

@@ -217,12 +217,10 @@ def test_a_few_steps_lower_the_loss(which):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_orthogonalisation_dtype_is_bf16_only_where_it_measures_faster():
+def test_orthogonalisation_dtype_is_bf16_on_accelerators_and_fixed_fp32_on_cpu():
     from flaxchat.optim import orthogonalisation_dtype
     assert orthogonalisation_dtype("tpu") == orthogonalisation_dtype("gpu") == "bfloat16"
-    # On CPU the choice is a measurement: any bf16 rate beats a 0x bar, none beats a 1e9x one.
-    assert orthogonalisation_dtype("cpu", speedup=0.0) == "bfloat16"
-    assert orthogonalisation_dtype("cpu", speedup=1e9) == "float32"
+    assert orthogonalisation_dtype("cpu") == "float32"  # the same on every run and resume, busy machine or not
 
 
 def test_ns_steps_zero_leaves_only_the_normalisations():
