@@ -1,9 +1,10 @@
 """The model's two hot kernels, chosen per backend in this one module.
 
-* `matmul(x, w)`: a linear layer. On CPU its backward computes dW as `barrier(xᵀ) @ g`: XLA:CPU
-  lowers the token-contracting dot `xᵀ·g` to a slow generic dot, and an explicit transpose followed
-  by a plain NN matmul goes to the fast library (57% -> 66% MFU on an 8L/512d GPT). On TPU and GPU
-  it is a plain `jnp.matmul`: the barrier would only stop their compilers from fusing.
+* `matmul(x, w)`: a linear layer. On CPU its backward computes dW as `transpose(x) @ g`, the
+  transpose stored first (`_cpu_transpose`): XLA:CPU lowers the token-contracting dot `xᵀ·g` to a
+  slow generic dot, and an explicit transpose followed by a plain NN matmul goes to the fast
+  library (57% -> 66% MFU on an 8L/512d GPT). On TPU and GPU it is a plain `jnp.matmul`: the
+  explicit transpose would only stop their compilers from fusing.
 * `attention(q, k, v, window, kernel)`: causal, optionally sliding-window, grouped-query attention
   through one of `KERNELS`; `resolve_attention("auto")` picks Pallas splash attention on TPU,
   cuDNN flash attention on GPU and the blockwise kernel below on CPU.
@@ -27,12 +28,6 @@ from flaxchat.config import ATTENTION_KERNELS as KERNELS  # auto, blockwise, xla
 
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
-
-
-def _cpu_barrier(x):
-    """An explicit layout change XLA:CPU may not fold into the next dot (folded transposes make it
-    pick a slow generic dot); elsewhere the compiler is left free to fuse."""
-    return jax.lax.optimization_barrier(x) if _on_cpu() else x
 
 
 def _cpu_transpose(x: jax.Array, perm) -> jax.Array:
@@ -207,10 +202,6 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
 # log-sum-exp per query row; the backward recomputes each tile's probabilities from it.
 
 
-def _t(x, perm):
-    return _cpu_transpose(x, perm)
-
-
 def _first_key_block(qs, window: int, block: int):
     return jnp.maximum(0, qs - window + 1) // block
 
@@ -301,8 +292,8 @@ def _attention_bwd(window, block, res, dout):
             dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i) * scale
             dqi = dqi + jnp.einsum("bhqk,bhkd->bhqd", ds.astype(q.dtype), kj, preferred_element_type=jnp.float32)
-            dkj = jnp.matmul(_t(ds.astype(q.dtype), (0, 1, 3, 2)), qi, preferred_element_type=jnp.float32)
-            dvj = jnp.matmul(_t(p.astype(v.dtype), (0, 1, 3, 2)), doi, preferred_element_type=jnp.float32)
+            dkj = jnp.matmul(_cpu_transpose(ds.astype(q.dtype), (0, 1, 3, 2)), qi, preferred_element_type=jnp.float32)
+            dvj = jnp.matmul(_cpu_transpose(p.astype(v.dtype), (0, 1, 3, 2)), doi, preferred_element_type=jnp.float32)
             add = lambda x, d: jax.lax.dynamic_update_slice_in_dim(
                 x, jax.lax.dynamic_slice_in_dim(x, ks, block, axis=2) + d, ks, axis=2)
             return dqi, add(dk, dkj), add(dv, dvj)
