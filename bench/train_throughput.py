@@ -86,12 +86,13 @@ PHASES = {
 }
 
 
-def muon_matrices(model: GPT) -> list[jax.Array]:
-    """The block matrices Muon orthogonalises (by the optimizer's own labels)."""
+def muon_matrices(state: nnx.State) -> list[jax.Array]:
+    """The block matrices of a parameter-shaped state (parameters or gradients) that Muon
+    orthogonalises (by the optimizer's own labels)."""
     out = []
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(state):
         if param_label(".".join(map(str, path))) == "matrix":
-            out.append(var.get_value())
+            out.append(var.get_value() if hasattr(var, "get_value") else var)
     return out
 
 
@@ -130,8 +131,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
     model = runs["full"][0]
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
-    mats = [g for path, g in nnx.to_flat_state(grads) if param_label(".".join(map(str, path))) == "matrix"]
-    mats = [m.get_value() if hasattr(m, "get_value") else m for m in mats]
+    mats = muon_matrices(grads)
     alone = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms])
@@ -202,10 +202,13 @@ def main(argv=None):
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1.")
     import platform
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor() or "unknown CPU") if os.path.exists("/proc/cpuinfo") else platform.processor()
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
-                 []) if os.path.exists("/proc/cpuinfo") else []
+    info = {}  # the first "model name" and "flags" lines of /proc/cpuinfo (Linux)
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    cpu = info.get("model name") or platform.processor() or "unknown CPU"
+    flags = info.get("flags", "").split()
     matrix_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     print(f"cpu: {cpu} ({', '.join(matrix_flags) or 'no AVX2/AVX-512/AMX flags seen'})")
 
