@@ -354,6 +354,15 @@ class NotebookTab:
 # A proxy that can cut or freeze every connection
 
 
+def _hang_up(s: socket.socket) -> None:
+    """Shut both directions (the peer sees EOF, as when a link drops) and close; already gone is fine."""
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
+
+
 class Proxy:
     """TCP forwarding from 127.0.0.1:<port> to the server; `cut()` closes every connection and refuses
     new ones until `restore()`; `freeze()` keeps the sockets open but passes nothing (and drops what
@@ -407,22 +416,14 @@ class Proxy:
         except OSError:
             pass
         for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            _hang_up(s)
 
     def cut(self) -> None:
         self.refusing.set()
         with self._lock:
             conns, self._conns = self._conns, []
         for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            _hang_up(s)
 
     def restore(self) -> None:
         self.refusing.clear()
