@@ -281,6 +281,38 @@ def test_kernel_death_mid_cell_is_one_clear_failure(server):
             server.shutdown_kernel(r.kernel_id)
 
 
+# A SIGKILL takes with it the messages the kernel had not yet sent: ipykernel's IOPub thread forwards
+# them after the main thread queued them, so on a loaded machine our `busy` / `execute_input`, and the
+# silent helper cell's `idle` before them, may never leave the process. Installed in the kernel, this
+# drops exactly those, so the runner meets what a loaded machine gives it: no sign that the cell began,
+# and a server whose last word on the kernel is "busy".
+_LOSE_LAST_WORDS = r"""
+_k = get_ipython().kernel
+_send = _k.session.send
+def _lossy_send(stream, msg_type, content=None, parent=None, *a, **kw):
+    code = ((parent or {}).get("content") or {}).get("code", "")
+    # (the words are split so that this cell does not match itself)
+    if stream is _k.iopub_socket and ("SIG" "KILL" in code or (
+            "_flaxchat_" "helper" in code and (content or {}).get("execution_state") == "idle")):
+        return None
+    return _send(stream, msg_type, content, parent, *a, **kw)
+_k.session.send = _lossy_send
+"""
+
+
+@pytest.mark.timeout(90)
+def test_kernel_killed_before_its_busy_was_sent_is_dead_not_queued(server):
+    with KaggleRunner(server.url, TOKEN, new_kernel=True) as r:
+        try:
+            assert r.run(_LOSE_LAST_WORDS, on_output=quiet).ok
+            res = r.run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout=45, on_output=quiet)
+            assert not res.ok and res.error_name == "DeadKernel" and res.state == "failed"
+            assert "while running the code" in res.error_value and "nothing of it ran" not in res.error_value
+            assert r.run("print('alive')", timeout=30, on_output=quiet).stdout == "alive\n"
+        finally:
+            server.shutdown_kernel(r.kernel_id)
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: one sentence each, nothing re-executed or deleted
 

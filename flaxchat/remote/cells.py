@@ -182,8 +182,9 @@ class _Execution:
         mtype, content = msg.get("msg_type") or msg["header"]["msg_type"], msg.get("content") or {}
         if (msg.get("parent_header") or {}).get("msg_id") != self.msg_id:
             # The server itself announces a restart or death with a parentless status message, a
-            # freshly started kernel process with a parentless `starting`.
-            if mtype == "status" and not msg.get("parent_header") and self.started and \
+            # freshly started kernel process with a parentless `starting`. It counts before our busy
+            # arrived too: a killed kernel loses the messages it had not yet sent (busy included).
+            if mtype == "status" and not msg.get("parent_header") and \
                     content.get("execution_state") in _GONE_STATES:
                 self.died = content["execution_state"]
             return
@@ -505,11 +506,15 @@ def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline:
             ex.handle(msg)
             if ex.died:
                 conn.restarted = True
+                began = ex.started or _began(rest, ex, files, deadline)
+                when = "while running the code" if began else \
+                    "before the code began, so nothing of it ran" if began is False else \
+                    "before or while running the code (which one is unknown)"
                 if ex.died == "starting":  # a new kernel process announced itself: someone restarted it
-                    return ("KernelRestarted", "the kernel restarted while running the code; everything in its "
-                            "memory (variables, imports, loaded models) is lost")
-                return ("DeadKernel", f"the kernel died while running the code (server status: {ex.died}); "
-                        "everything in its memory (variables, imports, loaded models) is lost")
+                    return ("KernelRestarted", f"the kernel restarted {when}; everything in its memory "
+                            "(variables, imports, loaded models) is lost")
+                return ("DeadKernel", f"the kernel died {when} (server status: {ex.died}); everything in its "
+                        "memory (variables, imports, loaded models) is lost")
             continue
         if _kernel_idle_without_us(rest, conn, ex, quiet=5 if ex.reattached or files else 30, deadline=deadline):
             outcome = _read_json(rest, files.path(ex.msg_id, "json"), deadline) if files else None
@@ -518,7 +523,7 @@ def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline:
                 continue
             if files is not None:  # idle, and no record of our cell's end: the kernel process was replaced
                 conn.restarted = True
-                if ex.started:
+                if ex.started or _began(rest, ex, files, deadline) is not False:
                     return ("DeadKernel", "the kernel died (or was killed and restarted) while running the code: "
                             "it is idle again and the cell never ended; everything in its memory is lost")
                 return ("DeadKernel", "the kernel died (or was restarted) before it ran the code, so nothing of it "
@@ -529,6 +534,21 @@ def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline:
             # An error, or the last expression's value, is the cell's last word: the outcome is known.
             ex.reply, ex.idle_at = {"status": "error" if ex.error else "ok"}, now
     return None
+
+
+def _began(rest: JupyterREST, ex: _Execution, files: CellFiles | None, deadline: float | None) -> bool | None:
+    """The kernel went away before our busy arrived, which a killed kernel's lost messages allow: did
+    the cell begin? The helper's output files, opened by the cell's first line, say so. A cancel
+    marker goes first, so that a request still in the server's queue never runs on the new kernel."""
+    if files is None:
+        return None
+    try:
+        rest.upload(files.path(ex.msg_id, "cancel"), b"", timeout=_left(deadline, 10.0))
+        return rest.read_bytes(files.path(ex.msg_id, "stdout"), timeout=_left(deadline, 10.0)) is not None
+    except RemoteError as e:
+        if isinstance(e, KernelGone):
+            raise
+        return None
 
 
 def _kernel_idle_without_us(rest: JupyterREST, conn: KernelConnection, ex: _Execution, quiet: float,
