@@ -444,6 +444,64 @@ def test_wait_trusts_the_completion_marker_and_exit_codes_not_log_text(spod):
 
 
 @pytest.mark.timeout(60)
+def test_a_command_that_exited_before_its_supervisor_wrote_the_code_is_not_killed(tmp_path):
+    # The window `wait` once fell into (under load): the command has exited (a zombie, not yet
+    # collected) and its supervisor is alive, about to write exit_code. That is "exiting", alive.
+    from flaxchat.cloud import worker
+    child = subprocess.Popen(["true"])  # never waited for here: a zombie until the test ends
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "_supervise"])
+    try:
+        deadline = time.time() + 20
+        while worker._pid_alive(child.pid) and time.time() < deadline:
+            time.sleep(0.01)
+        run = {"run_id": "r", "child_pid": child.pid, "supervisor_pid": supervisor.pid, "started_at": time.time()}
+        assert worker._state(run, None) == ("exiting", True)
+        assert worker._state(run, {"exit_code": 0}) == ("exited", False)
+        supervisor.kill()
+        supervisor.wait(10)
+        assert worker._state(run, None) == ("killed", False)  # nobody left to write the code: killed
+        # A pid reused by some other process after a reboot is not our supervisor.
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert worker._state({**run, "supervisor_pid": other.pid}, None) == ("killed", False)
+        other.kill()
+        other.wait(10)
+    finally:
+        supervisor.kill()
+        child.wait(10)
+
+
+@pytest.mark.timeout(90)
+def test_exit_code_is_written_though_a_leftover_process_holds_the_output(tmp_path):
+    # `sleep 600 &` inherits the command's stdout: reading it to the end would wait for the sleep.
+    from flaxchat.cloud import worker
+    state = str(tmp_path / "state")
+    script = os.path.abspath(worker.__file__)
+    out = subprocess.run([sys.executable, script, "start", "--run-id", "r1", "--cwd", str(tmp_path),
+                          "--state-dir", state, "--", "sleep 600 & echo $! > sleeper.pid; echo hi; exit 3"],
+                         capture_output=True, text=True, timeout=30)
+    assert g.parse_worker_lines(out.stdout)[0]["started"], out
+    seen, st = [], {}
+    try:
+        deadline = time.time() + worker.OUTPUT_DRAIN_S + 30
+        while time.time() < deadline:
+            st = g.parse_worker_lines(subprocess.run([sys.executable, script, "status", "--state-dir", state],
+                                                     capture_output=True, text=True, timeout=30).stdout)[0]
+            seen.append(st["state"])
+            if not st["alive"]:
+                break
+            time.sleep(0.2)
+        sleeper = int((tmp_path / "sleeper.pid").read_text())
+        assert st["state"] == "exited" and st["exit_code"] == 3 and "killed" not in seen, seen
+        assert worker._pid_alive(sleeper)  # the code came while the leftover still held the pipe
+        assert "hi" in (tmp_path / "state" / "output.log").read_text()
+    finally:
+        try:
+            os.kill(int((tmp_path / "sleeper.pid").read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.mark.timeout(60)
 def test_download_checkpoint_from_the_bucket_needs_no_vm(shared_env):
     run = "gs://bk/after-teardown"
     for step, done in ((10, True), (20, True), (30, False)):

@@ -60,7 +60,7 @@ class WorkerObs:
     """One worker as `worker.py status` reported it (or did not: reachable=False)."""
 
     reachable: bool = True
-    state: str = "running"  # none | starting | running | exited | killed
+    state: str = "running"  # none | starting | running | exiting | exited | killed
     exit_code: int | None = None
     progress_age: float | None = None  # s since its last finished step, by the VM's clock (display only)
     step: int | None = None  # its last finished step, from its progress file

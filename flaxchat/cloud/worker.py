@@ -19,7 +19,8 @@ the command in its own process group, and writes into the state folder (default 
     progress.json  the child's FLAXCHAT_PROGRESS_FILE: step and time of the last finished step,
                    written by every process (flaxchat.progress, schema 1). This is the liveness:
                    a process alive whose step stops moving is hung; printed lines are never parsed.
-    exit_code      written when the command ends; absent after a SIGKILL (preemption, OOM killer)
+    exit_code      written when the command ends (state "exiting" until then, while its supervisor
+                   is alive); absent after a SIGKILL (preemption, OOM killer)
 
 Before a new run, whatever still holds the TPU (a leftover probe, an older run: any process with
 /dev/accel* or /dev/vfio/* open) is killed, then libtpu's lockfile is removed (as maxtext's runner
@@ -38,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -48,6 +50,7 @@ DEVICES_ENV = "FLAXCHAT_TPU_DEVICES"  # another list (a rehearsal's stand-in dev
 PROGRESS_ENV = "FLAXCHAT_PROGRESS_FILE"  # flaxchat.progress.ENV (this file imports nothing of flaxchat)
 PROGRESS_SCHEMA = 1
 STARTUP_GRACE_S = 10.0  # a supervisor that has not started its child by then is gone
+OUTPUT_DRAIN_S = 10.0  # after the command exits, how long its output pipe may stay open (a leftover child holds it)
 METADATA_WORKER_URL = ("http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
                        "agent-worker-number")
 
@@ -234,13 +237,15 @@ def supervise(state_dir: str) -> int:
     run["child_pid"] = child.pid
     run["supervisor_pid"] = os.getpid()
     _write_json(p["run"], run)
-    for line in child.stdout:
-        log.write(redact(line))
+    # The output is pumped beside the wait: a background process the command left behind can hold
+    # the pipe open for ever, and the exit code must not wait for it longer than OUTPUT_DRAIN_S.
+    pump = threading.Thread(target=lambda: [log.write(redact(line)) for line in child.stdout], daemon=True)
+    pump.start()
     code = child.wait()
     code = code if code >= 0 else 128 - code  # killed by signal N -> 128+N, as a shell reports it
+    pump.join(OUTPUT_DRAIN_S)
     _write_json(p["exit"], {"exit_code": code, "ended_at": time.time()})
     log.write(f"=== flaxchat run {run['run_id']} exited with code {code} ===\n")
-    log.close()
     return code
 
 
@@ -291,8 +296,22 @@ def marker_exists(marker: str, cwd: str):
     return os.path.exists(os.path.join(cwd, os.path.expanduser(marker)))
 
 
+def _supervising(pid) -> bool:
+    """Is `pid` still a supervisor of ours? (A pid can be reused after a reboot, which keeps the disk.)"""
+    if not _pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            return b"_supervise" in f.read()
+    except OSError:
+        return True  # no /proc to ask: alive is all we know
+
+
 def _state(run: dict, ended) -> tuple[str, bool]:
     alive = _pid_alive(run.get("child_pid")) and ended is None
+    if not alive and ended is None and run.get("child_pid") and _supervising(run.get("supervisor_pid")):
+        # The command has exited and its supervisor is about to write the exit code: not killed.
+        return "exiting", True
     state = "none" if not run else "running" if alive else "exited" if ended else "killed"
     if run and not alive and not ended and not run.get("child_pid"):
         state = "starting" if time.time() - run.get("started_at", 0) < STARTUP_GRACE_S else "killed"
