@@ -20,7 +20,8 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3):
   fwd+bwd    every micro-batch's forward and backward, the accumulation and the scan
   update     the optimizer: muon-ns (Polar Express as it costs inside the step) + rest (momentum,
              MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
-  ns-fp32, ns-bf16  Polar Express alone on the model's gradients, jitted on its own, in each dtype,
+  ns-fp32, ns-bf16, ns-bf16p  Polar Express alone on the model's gradients, jitted on its own, in each
+             dtype (bf16p: optim.BF16_PRODUCTS),
              and how much bf16 changes the update (what `optim.orthogonalisation_dtype` weighs)
 """
 
@@ -42,7 +43,7 @@ from flaxchat import ops
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import OptimConfig, Schedule, build_optimizer, param_label, polar_express
+from flaxchat.optim import BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, param_label, polar_express
 from flaxchat.train import train_step
 
 CONFIGS = {
@@ -83,6 +84,7 @@ PHASES = {
     "rest": "(the update's rest: momentum, normalisations, NorMuon, AdamW groups)",
     "ns-fp32": "(Polar Express alone, jitted on its own, fp32)",
     "ns-bf16": "(the same in bf16)",
+    "ns-bf16p": "(the same, fp32 with the polynomial's and the update's products from bf16 operands)",
 }
 
 
@@ -133,11 +135,14 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
     mats = muon_matrices(grads)
     alone = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms])
-        alone[jnp.dtype(dtype).name] = (_median_ms(lambda: ns(mats), steps), ns(mats))
-    diff = [float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32)) / jnp.linalg.norm(b))
-            for a, b in zip(alone["bfloat16"][1], alone["float32"][1])]
+    for dtype in ("float32", "bfloat16", BF16_PRODUCTS):
+        ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype if dtype == BF16_PRODUCTS else jnp.dtype(dtype))
+                                              for g in ms])
+        alone[dtype] = (_median_ms(lambda: ns(mats), steps), ns(mats))
+
+    def diff(dtype):  # median relative Frobenius difference to fp32 over the matrices (zero ones left out)
+        return float(np.median([float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+                                for a, b in zip(alone[dtype][1], alone["float32"][1]) if jnp.linalg.norm(b) > 0]))
     tokens = accum * rows * cfg.sequence_len
     ns_flops_total = sum(ns_flops(g.shape) for g in mats)
     return {"step": (ms["full"], None),
@@ -147,7 +152,8 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
             "rest": (ms["no-ns"] - ms["noop"], None),
             "ns-fp32": (alone["float32"][0], ns_flops_total),
             "ns-bf16": (alone["bfloat16"][0], ns_flops_total),
-            "bf16-diff": float(np.median(diff))}
+            "ns-bf16p": (alone[BF16_PRODUCTS][0], ns_flops_total),
+            "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}}
 
 
 def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0) -> None:
@@ -239,7 +245,7 @@ def main(argv=None):
                 profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
             if args.phases and mode != "baseline":
                 split = phases(cfg, rows, accum, args.steps)
-                bf16_diff = split.pop("bf16-diff")
+                diffs = split.pop("diff")
                 step_ms = split["step"][0]
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / step_ms:5.1f}% of the step"
@@ -247,8 +253,9 @@ def main(argv=None):
                     if flops and ms > 0 and flops / (ms / 1e3) > peak:
                         at_peak += " [above peak: noise between the medians; rerun with more --steps]"
                     print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}  {PHASES[phase]}", flush=True)
-                print(f"{'':6}   Polar Express in bf16 changes the update by {bf16_diff:.1e} (median relative "
-                      f"Frobenius difference over the block matrices)", flush=True)
+                print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
+                      f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e} (median relative Frobenius difference over "
+                      "the block matrices)", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB")
 

@@ -154,6 +154,10 @@ class TrainConfig:
     warmdown_ratio: float = 0.65
     final_lr_frac: float = 0.05
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
+    # Muon's Polar Express: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16, or bf16-products
+    # (fp32 iterate and Gram matrix, the other products bf16 into fp32: faster on CPUs with bf16 dot
+    # instructions, see docs/cpu_performance.md; `bench.train_throughput --phases` measures it)
+    ns_dtype: str = "auto"
     sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
     eval_every: int = 250
     eval_tokens: int = 65_536
@@ -183,6 +187,8 @@ class TrainConfig:
             raise UserError(f"--attention splash needs a --sequence-len that is a multiple of 128 (got {self.sequence_len}).")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
+        if self.ns_dtype not in ("auto", "float32", "bfloat16", "bf16-products"):
+            raise UserError(f"--ns-dtype must be auto, float32, bfloat16 or bf16-products (got {self.ns_dtype!r}).")
         if self.device_batch_size <= 0 or self.sequence_len <= 1:
             raise UserError("--device-batch-size must be positive and --sequence-len at least 2.")
         if self.warmup_steps < 0 or not 0 <= self.warmdown_ratio <= 1 or not 0 <= self.final_lr_frac <= 1:

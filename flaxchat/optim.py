@@ -86,28 +86,42 @@ class Schedule:
         return 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(step, jnp.float32) / max(self.total_steps, 1)))
 
 
+# Polar Express with fp32 iterates and Gram matrix, and the other two products of each iteration
+# (the polynomial's A·A and its product with x) from bf16 operands accumulated in fp32.
+BF16_PRODUCTS = "bf16-products"
+NS_DTYPES = ("float32", "bfloat16", BF16_PRODUCTS)
+
+
 def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     """Approximately the orthogonal polar factor U·Vᵀ of g = U·S·Vᵀ (kernel layout (in, out)).
 
     First MuonEq row equilibration (arXiv 2603.28254): every output neuron's weights (a column
     here, a row of torch's (out, in)) are rescaled to the mean norm, so the spectrum entering the
     iteration is better conditioned; then the Frobenius pre-normalisation with nanochat's x1.01.
+    `dtype`: float32, bfloat16 (every product and the iterate; what TPU/GPU run) or BF16_PRODUCTS
+    (see there; what `orthogonalisation_dtype` says about each).
     """
-    x = g.astype(dtype)
+    mixed = isinstance(dtype, str) and dtype == BF16_PRODUCTS
+    x = g.astype(jnp.float32 if mixed else dtype)
     xf = x.astype(jnp.float32)
     target = jnp.linalg.norm(xf) / math.sqrt(x.shape[1])
     col = jnp.maximum(jnp.linalg.norm(xf, axis=0, keepdims=True), 1e-6)
     x = x * (target / col).astype(x.dtype)
     x = x / (jnp.linalg.norm(x) * 1.01 + 1e-6)
+
+    def mm(p, q):  # a product the iteration tolerates in bf16 (the Gram matrix is not one)
+        if not mixed:
+            return p @ q
+        return jnp.matmul(p.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     tall = x.shape[0] > x.shape[1]
     for a, b, c in POLAR_EXPRESS[:steps]:
         # Work on the small Gram matrix: (n x n) for a tall matrix, (m x m) for a wide one.
         if tall:
             A = x.T @ x
-            x = a * x + x @ (b * A + c * (A @ A))
+            x = a * x + mm(x, b * A + c * mm(A, A))
         else:
             A = x @ x.T
-            x = a * x + (b * A + c * (A @ A)) @ x
+            x = a * x + mm(b * A + c * mm(A, A), x)
     return x.astype(g.dtype)
 
 
@@ -184,15 +198,22 @@ def _normuon(o: jax.Array, v: jax.Array, beta2: float):
 
 def orthogonalisation_dtype(backend: str) -> str:
     """Polar Express's dtype: bf16 on TPU and GPU (their matrix units; nanochat runs it in bf16 on
-    GPU), fp32 on CPU.
+    GPU), fp32 on CPU. `--ns-dtype` overrides it.
 
-    On a 2-core AMD EPYC (Zen 5, AVX-512 BF16) bf16 read slower, 354 against 493 GFLOP/s at 2048³,
-    and Polar Express over a depth-4 model's block matrices took 56.4 ms in bf16 against 49.5 ms in
-    fp32. bf16 also moved the orthogonalised gradients by 4.5-6.5e-2 (median relative Frobenius
-    difference). CPUs with AMX were not measured. A timing probe at start-up is no way to choose:
-    on a busy machine two runs of one job, or a run and its resume, could land on different dtypes
-    and so different updates. `python -m bench.train_throughput --phases` prints both dtypes'
-    times and the difference on any machine.
+    On a 2-core AMD EPYC (Zen 5, AVX-512 BF16), a bf16 product is fast only when it accumulates into
+    fp32 and its right side is not transposed: a 2048³ product ran at 961 GFLOP/s from bf16 operands
+    into fp32 against 488 in fp32, while a bf16-out product ran at 353, and a Gram product x·xᵀ
+    in bf16 gained nothing. So Polar Express all in bf16 is slower than fp32 there (57.7 against
+    50.3 ms at depth 4), and it moves the orthogonalised gradients by 5.6e-2 (median relative
+    Frobenius difference). BF16_PRODUCTS keeps the iterate and the Gram matrix in fp32 and takes
+    the other two products from bf16 operands: 45 against 50 ms at depth 4, 590 against 767 ms for
+    config B's 48 matrices (bench.train_throughput), moving the update by 1.4-2e-2. At depth 4 and
+    2,048 tokens per step the main job's tokens/s and its val bpb after 300 steps did not change
+    beyond noise (0.1452 against 0.1451), so it stays a choice, not the CPU default.
+
+    A timing probe at start-up is no way to choose: on a busy machine two runs of one job, or a run
+    and its resume, could land on different dtypes and so different updates.
+    `python -m bench.train_throughput --phases` prints every dtype's time and difference on any machine.
     """
     return "bfloat16" if backend in ("tpu", "gpu", "cuda", "rocm") else "float32"
 
@@ -252,7 +273,7 @@ class OptimConfig:
     muon_beta2: float = 0.9  # NorMuon's second-moment decay (nanochat setup_optimizer)
     n_embd: int = 768
     depth: int = 12  # unused: weight decay is scaled by `scaling` (kept so existing callers still build)
-    ns_dtype: str = "float32"  # Polar Express's dtype; `orthogonalisation_dtype` picks it per machine
+    ns_dtype: str = "float32"  # Polar Express's dtype (NS_DTYPES); `orthogonalisation_dtype` picks it per machine
     ns_steps: int = 5  # Polar Express iterations (0 leaves only the normalisations: for measuring)
     batch_lr_scale: float = 1.0
     lr_frac: float = 1.0
@@ -278,7 +299,8 @@ def build_optimizer(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTrans
     }
     if cfg.optimizer == "muon":
         groups["matrix"] = muon(cfg.matrix_lr * scale, schedule, weight_decay=cfg.weight_decay,
-                                beta2=cfg.muon_beta2, ns_steps=cfg.ns_steps, ns_dtype=jnp.dtype(cfg.ns_dtype))
+                                beta2=cfg.muon_beta2, ns_steps=cfg.ns_steps,
+                                ns_dtype=cfg.ns_dtype if cfg.ns_dtype == BF16_PRODUCTS else jnp.dtype(cfg.ns_dtype))
     else:
         # Plain AdamW fallback for the block matrices: a tenth of Muon's LR, standard betas.
         groups["matrix"] = adamw(cfg.matrix_lr * 0.1 * scale, 0.9, 0.95, 0.0)

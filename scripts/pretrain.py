@@ -179,7 +179,7 @@ def _run(tc: TrainConfig) -> dict:
     # --- optimizer ------------------------------------------------------------------------------
     schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
     scale_lrs = tc.lr_batch_scaling == "on" or (tc.lr_batch_scaling == "auto" and tc.total_batch_size <= 0)
-    ns_dtype = orthogonalisation_dtype(compute.backend)  # bf16 on TPU/GPU, fp32 on CPU
+    ns_dtype = orthogonalisation_dtype(compute.backend) if tc.ns_dtype == "auto" else tc.ns_dtype
     opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,

@@ -231,3 +231,47 @@ def test_ns_steps_zero_leaves_only_the_normalisations():
     o0, o5 = renormalise(polar_express(g, 0)), renormalise(polar_express(g, 5))
     s0, s5 = jnp.linalg.svd(o0, compute_uv=False), jnp.linalg.svd(o5, compute_uv=False)
     assert float(s0.max() / s0.min()) > 3 * float(s5.max() / s5.min())  # the iterations flatten the spectrum
+
+
+def _polar_express_f64(g: np.ndarray) -> np.ndarray:
+    """The same iteration in numpy float64: the reference the dtypes are measured against."""
+    from flaxchat.optim import POLAR_EXPRESS
+    x = g.astype(np.float64)
+    x = x * (np.linalg.norm(x) / math.sqrt(x.shape[1]) / np.maximum(np.linalg.norm(x, axis=0, keepdims=True), 1e-6))
+    x = x / (np.linalg.norm(x) * 1.01 + 1e-6)
+    for a, b, c in POLAR_EXPRESS:
+        A = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+        x = a * x + ((b * A + c * A @ A) @ x if x.shape[0] <= x.shape[1] else x @ (b * A + c * A @ A))
+    return x
+
+
+@pytest.mark.parametrize("shape", [(256, 1024), (1024, 256), (256, 256)])
+def test_bf16_products_sit_between_fp32_and_bf16(shape):
+    from flaxchat.optim import BF16_PRODUCTS
+    g = jax.random.normal(jax.random.key(1), shape) * jnp.linspace(0.1, 3.0, shape[1])  # an uneven spectrum
+    ref = _polar_express_f64(np.asarray(g))
+    err = {name: float(np.linalg.norm(np.asarray(polar_express(g, 5, dt), np.float64) - ref) / np.linalg.norm(ref))
+           for name, dt in (("fp32", jnp.float32), ("bf16p", BF16_PRODUCTS), ("bf16", jnp.bfloat16))}
+    # fp32 is float64's iteration to rounding; bf16 operands cost accuracy, bf16 iterates more.
+    assert err["fp32"] < 1e-4 < err["bf16p"] < err["bf16"] < 0.2, err
+    o = polar_express(g, 5, BF16_PRODUCTS)
+    assert o.dtype == g.dtype
+    s, s32 = (jnp.linalg.svd(v, compute_uv=False) for v in (o, polar_express(g, 5, jnp.float32)))
+    assert float(jnp.abs(s - s32).max()) < 0.05  # the same spectrum as fp32's
+
+
+def test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence():
+    from flaxchat.config import TrainConfig
+    from flaxchat.errors import UserError
+    from flaxchat.train import train_step
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 2, 32)), jnp.int32)
+    losses = {}
+    for dt in ("float32", "bf16-products"):
+        model = GPT(CFG, rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, ns_dtype=dt), Schedule(30)), wrt=nnx.Param)
+        losses[dt] = [float(train_step(model, opt, x, jnp.roll(x, -1, -1))) for _ in range(5)]
+    assert losses["float32"][0] == losses["bf16-products"][0]  # the same model before any update
+    assert losses["float32"][4] != losses["bf16-products"][4]  # the dtype did reach Muon
+    assert abs(losses["float32"][4] - losses["bf16-products"][4]) < 1e-3 * losses["float32"][4]
+    with pytest.raises(UserError, match="--ns-dtype must be auto, float32, bfloat16 or bf16-products"):
+        TrainConfig(ns_dtype="fp8").validate()
