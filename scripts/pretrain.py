@@ -42,6 +42,30 @@ HELP = {
     "attention": "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla, splash, cudnn",
     "init_from": "start from these weights (model.pkl, weights.npz or a run folder); ignored when resuming",
     "fresh": "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, not deleted)",
+    "sequence_len": "tokens per row (the context the model trains on)",
+    "vocab_size": "tokenizer vocabulary, trained on --data when --tokenizer-dir has none",
+    "window_pattern": "attention windows tiled over the layers: S = a quarter of the context, L = all of it "
+                      "(the last layer is always L)",
+    "optimizer": "muon (Muon for the block matrices + AdamW groups, nanochat's) or adamw (AdamW everywhere)",
+    "adam_beta1": "AdamW beta1 of the embedding, LM-head and scalar groups",
+    "adam_beta2": "AdamW beta2 of the scalar groups",
+    "final_lr_frac": "LR at the end of the warmdown, as a fraction of the peak",
+    "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
+    "ns_dtype": "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16, "
+                "or bf16-products (fp32, with two of its three products from bf16 operands; faster on CPUs with bf16 "
+                "dot instructions, see docs/cpu_performance.md)",
+    "sharding": "dp (parameters replicated), fsdp (parameters, gradients and optimizer state split), auto",
+    "eval_every": "steps between validation bpb evaluations, and one at the end (0: none)",
+    "eval_tokens": "validation tokens per evaluation",
+    "sample_every": "steps between sampled stories (0: none during training; the end always samples)",
+    "save_every": "steps between checkpoints (0: only the last step, which is always saved)",
+    "keep_checkpoints": "how many checkpoints to keep",
+    "log_every": "steps between progress lines",
+    "seed": "seed of the initialisation and the data order",
+    "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
+    "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
+    "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
+    "num_samples": "stories sampled at each --sample-every and at the end",
 }
 SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
 

@@ -126,6 +126,7 @@ def _main(argv, capsys):
     (["--depth=0", "--steps=1"], "--depth must be at least 1"),
     (["--window-pattern=SXL", "--steps=1"], "window pattern"),
     (["--optimizer=sgd"], "--optimizer must be"),
+    (["--ns-dtype=fp8"], "--ns-dtype must be auto, float32, bfloat16 or bf16-products"),
     (["--data=/no/such/place/*.txt", "--steps=1"], "/no/such/place"),
 ])
 def test_bad_input_is_one_sentence_and_nonzero(argv, words, capsys, tmp_path):
@@ -133,6 +134,22 @@ def test_bad_input_is_one_sentence_and_nonzero(argv, words, capsys, tmp_path):
     assert code == 2
     assert words in cap.err
     assert "Traceback" not in cap.err and len(cap.err.strip().splitlines()) == 1
+
+
+def test_every_flag_says_what_it_does(capsys):
+    import argparse
+    import dataclasses
+    from flaxchat.config import TrainConfig, add_dataclass_args
+    from scripts import pretrain
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, TrainConfig, help=pretrain.HELP)  # as pretrain's parse_args builds it
+    helps = {a.dest: a.help for a in parser._actions}
+    for f in dataclasses.fields(TrainConfig):
+        words = helps[f.name].rsplit(" (default:", 1)[0].strip()
+        assert len(words.split()) >= 3, f"--{f.name.replace('_', '-')} has no help: {helps[f.name]!r}"
+    with pytest.raises(SystemExit):
+        pretrain.parse_args(["--help"])
+    assert "Polar Express" in capsys.readouterr().out  # the texts reach --help
 
 
 @pytest.mark.parametrize("argv", [["--window-pattern=SXL"], ["--depth=3", "--sequence-len=1"], ["--warmdown-ratio=2"]])
