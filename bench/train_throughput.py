@@ -76,6 +76,7 @@ def _median_ms(fn, steps: int) -> float:
     return float(np.median(times)) * 1e3
 
 
+DIFFERENCES = ("update", "muon-ns", "rest")  # phases that are differences of two timed steps
 PHASES = {
     "step": "(the full step, timed interleaved with the two below)",
     "fwd+bwd": "(the step with a no-op optimizer)",
@@ -101,6 +102,15 @@ def muon_matrices(state: nnx.State) -> list[jax.Array]:
 def ns_flops(shape, steps: int = 5) -> float:
     m, n = sorted(shape[-2:])
     return steps * (4 * m * m * n + 2 * m ** 3) * int(np.prod(shape[:-2], dtype=np.int64))
+
+
+def noise_note(phase: str, ms: float, flops: float | None, peak: float) -> str:
+    """A warning for a phase that cannot be read: the difference of two medians can come out above
+    the peak or below zero on a busy machine. A measured row cannot (bf16 products may beat the
+    fp32 peak for real)."""
+    if phase not in DIFFERENCES or not (ms < 0 or (flops and flops / (ms / 1e3) > peak)):
+        return ""
+    return f" [{'below zero' if ms < 0 else 'above peak'}: noise between the medians; rerun with more --steps]"
 
 
 def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> dict:
@@ -250,8 +260,7 @@ def main(argv=None):
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / step_ms:5.1f}% of the step"
                     at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops and ms > 0 else ""
-                    if flops and ms > 0 and flops / (ms / 1e3) > peak:
-                        at_peak += " [above peak: noise between the medians; rerun with more --steps]"
+                    at_peak += noise_note(phase, ms, flops, peak)
                     print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}  {PHASES[phase]}", flush=True)
                 print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
                       f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e} (median relative Frobenius difference over "

@@ -37,3 +37,11 @@ def test_profile_sums_the_real_steps_kernels():
     assert int(m.group(2)) > 100 and int(m.group(3)) > 20, out  # a GPT step is hundreds of kernels, mostly matmuls
     rows = re.findall(r"^\s+\d+ us\s+[\d.]+%\s+\d+ x (\S+)", out, re.M)
     assert len(rows) == 12 and "while" not in rows, out  # the loop's span is not counted twice
+
+
+def test_only_a_difference_of_two_medians_is_flagged_as_noise():
+    note = train_throughput.noise_note
+    assert "below zero" in note("muon-ns", -43.6, 20.1e9, 490e9)  # as one 4-step run read
+    assert "above peak" in note("muon-ns", 23.0, 20.1e9, 490e9)
+    assert note("muon-ns", 50.0, 20.1e9, 490e9) == ""
+    assert note("ns-bf16p", 576.4, 322.1e9, 490e9) == ""  # measured alone: bf16 products beat the fp32 peak
