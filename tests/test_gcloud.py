@@ -226,6 +226,43 @@ def test_preempt_kills_every_worker_process_and_marks_the_vm(emu):
 
 
 @pytest.mark.timeout(60)
+def test_preempting_a_vm_leaves_a_same_named_vm_of_another_emulated_cloud_alone(emu, monkeypatch):
+    # Two test workers run two emulators side by side, each with a VM of the same name: once, deleting
+    # one worker's "shared" VM killed the other's running command, which then read as "killed".
+    roots = {"a": str(emu / "emu-a"), "b": str(emu / "emu-b")}
+    pids = {}
+    for cloud, root in roots.items():
+        monkeypatch.setenv(emulator.STATE_ENV, root)
+        gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-8",
+           "--version=v", check=True)
+        gc("compute", "tpus", "tpu-vm", "ssh", "t", f"--project={P}", f"--zone={Z}", "--worker=all",
+           "--command=setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo $! > pid", check=True)
+        pids[cloud] = int(open(os.path.join(emulator.worker_dir(P, Z, "t", 0), "pid")).read())
+    try:
+        monkeypatch.setenv(emulator.STATE_ENV, roots["a"])
+        assert emulator.preempt("t", Z, P) >= 1
+        deadline = time.time() + 5
+        while time.time() < deadline and _pid_alive(pids["a"]):
+            time.sleep(0.05)
+        assert not _pid_alive(pids["a"]) and _pid_alive(pids["b"])
+        gc("compute", "tpus", "tpu-vm", "delete", "t", f"--project={P}", f"--zone={Z}", "--quiet", check=True)
+        time.sleep(0.2)
+        assert _pid_alive(pids["b"])
+        monkeypatch.setenv(emulator.STATE_ENV, roots["b"])
+        gc("compute", "tpus", "tpu-vm", "delete", "t", f"--project={P}", f"--zone={Z}", "--quiet", check=True)
+        deadline = time.time() + 5
+        while time.time() < deadline and _pid_alive(pids["b"]):
+            time.sleep(0.05)
+        assert not _pid_alive(pids["b"])  # its own delete still kills it
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(60)
 def test_queued_resource_spot_lifecycle(emu):
     z = "us-east5-b"
     gc("compute", "tpus", "queued-resources", "create", "t-qr", f"--project={P}", f"--zone={z}",

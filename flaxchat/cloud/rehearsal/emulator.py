@@ -55,7 +55,10 @@ from flaxchat.cloud.topology import TOPOLOGIES
 
 STATE_ENV = "FLAXCHAT_GCLOUD_EMULATOR_DIR"
 DELAY_ENV = "FLAXCHAT_GCLOUD_EMULATOR_CREATE_SECONDS"
-TAG_ENV = "FLAXCHAT_EMULATOR_VM"  # every process of a worker carries it, so preempt finds them all
+# Every process of a worker carries it, so preempt and delete find them all. Its value starts with the
+# VM's folder, which lies under this emulator's state root: two emulated clouds (two test workers,
+# each with its own root) may both have a VM called "pod", and a preemption of one must not kill the other.
+TAG_ENV = "FLAXCHAT_EMULATOR_VM"
 ORIG_PYTHONPATH_ENV = "FLAXCHAT_EMULATOR_ORIG_PYTHONPATH"
 BUCKETS_ENV = "FLAXCHAT_REHEARSAL_BUCKETS"  # see bucket.py
 DEVICES_ENV = "FLAXCHAT_TPU_DEVICES"  # worker.py: where the TPU's device files are (real VM: /dev/accel*)
@@ -187,9 +190,13 @@ def _tagged_pids(tag_prefix: str) -> list[int]:
     return [p for p in pids if p != os.getpid()]
 
 
+def _vm_tag(project, zone, name) -> str:
+    return os.path.realpath(node_dir(project, zone, name)) + os.sep
+
+
 def kill_node_processes(project, zone, name) -> int:
     """SIGKILL every process of the VM, as a preemption does: no handler runs, no file is finished."""
-    tag = f"{project}/{zone}/{name}/"
+    tag = _vm_tag(project, zone, name)
     killed = 0
     for _ in range(5):  # repeat: a process may fork while we scan
         pids = _tagged_pids(tag)
@@ -263,7 +270,7 @@ def _worker_env(project, zone, name, worker, node=None) -> dict:
     env = dict(os.environ)
     home = worker_dir(project, zone, name, worker)
     image = _image()
-    env.update({"HOME": home, "FLAXCHAT_WORKER_ID": str(worker), TAG_ENV: f"{project}/{zone}/{name}/{worker}"})
+    env.update({"HOME": home, "FLAXCHAT_WORKER_ID": str(worker), TAG_ENV: _vm_tag(project, zone, name) + str(worker)})
     env["PATH"] = image["bin"] + os.pathsep + env.get("PATH", "")
     original = env.pop(ORIG_PYTHONPATH_ENV, None)  # the shim's own PYTHONPATH is not the worker's
     if original is None:
