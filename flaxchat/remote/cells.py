@@ -523,9 +523,11 @@ def _follow(conn: KernelConnection, rest: JupyterREST, ex: _Execution, deadline:
                 continue
             if files is not None:  # idle, and no record of our cell's end: the kernel process was replaced
                 conn.restarted = True
-                if ex.started or _began(rest, ex, files, deadline) is not False:
-                    return ("DeadKernel", "the kernel died (or was killed and restarted) while running the code: "
-                            "it is idle again and the cell never ended; everything in its memory is lost")
+                began = ex.started or _began(rest, ex, files, deadline)
+                if began is not False:
+                    when = "while running the code" if began else "before or while running the code"
+                    return ("DeadKernel", f"the kernel died (or was killed and restarted) {when}: it is idle "
+                            "again and the cell never ended; everything in its memory is lost")
                 return ("DeadKernel", "the kernel died (or was restarted) before it ran the code, so nothing of it "
                         "ran; everything in its memory is lost")
             if ex.error is None and ex.result is None:
