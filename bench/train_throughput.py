@@ -21,8 +21,8 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3):
   update     the optimizer: muon-ns (Polar Express as it costs inside the step) + rest (momentum,
              MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
   ns-fp32, ns-bf16, ns-bf16p  Polar Express alone on the model's gradients, jitted on its own, in each
-             dtype (bf16p: optim.BF16_PRODUCTS),
-             and how much bf16 changes the update (what `optim.orthogonalisation_dtype` weighs)
+             dtype (bf16p: optim.BF16_PRODUCTS), and how much bf16 and bf16p change the update against
+             fp32 (what `optim.orthogonalisation_dtype` weighs)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def noise_note(phase: str, ms: float, flops: float | None, peak: float) -> str:
 
 def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> dict:
     """ms per step of each phase (see the module docstring), its FLOPs (None: not counted), and
-    Polar Express alone in fp32 and bf16 with the update difference bf16 makes.
+    Polar Express alone in each dtype with the update difference bf16 and bf16-products make.
 
     Three copies of the real train step (same jit, donation and scan) run in interleaved rounds, so a
     machine that speeds up or slows down mid-run moves all of them alike: the full step; the step
@@ -146,8 +146,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
     mats = muon_matrices(grads)
     alone = {}
     for dtype in ("float32", "bfloat16", BF16_PRODUCTS):
-        ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype if dtype == BF16_PRODUCTS else jnp.dtype(dtype))
-                                              for g in ms])
+        ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms])
         alone[dtype] = (_median_ms(lambda: ns(mats), steps), ns(mats))
 
     def diff(dtype):  # median relative Frobenius difference to fp32 over the matrices (zero ones left out)

@@ -89,7 +89,6 @@ class Schedule:
 # Polar Express with fp32 iterates and Gram matrix, and the other two products of each iteration
 # (the polynomial's A·A and its product with x) from bf16 operands accumulated in fp32.
 BF16_PRODUCTS = "bf16-products"
-NS_DTYPES = ("float32", "bfloat16", BF16_PRODUCTS)
 
 
 def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
@@ -98,8 +97,8 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     First MuonEq row equilibration (arXiv 2603.28254): every output neuron's weights (a column
     here, a row of torch's (out, in)) are rescaled to the mean norm, so the spectrum entering the
     iteration is better conditioned; then the Frobenius pre-normalisation with nanochat's x1.01.
-    `dtype`: float32, bfloat16 (every product and the iterate; what TPU/GPU run) or BF16_PRODUCTS
-    (see there; what `orthogonalisation_dtype` says about each).
+    `dtype` (a dtype or its name): float32, bfloat16 (every product and the iterate; what TPU/GPU
+    run) or BF16_PRODUCTS (see there; what `orthogonalisation_dtype` says about each).
     """
     mixed = isinstance(dtype, str) and dtype == BF16_PRODUCTS
     x = g.astype(jnp.float32 if mixed else dtype)
@@ -273,7 +272,7 @@ class OptimConfig:
     muon_beta2: float = 0.9  # NorMuon's second-moment decay (nanochat setup_optimizer)
     n_embd: int = 768
     depth: int = 12  # unused: weight decay is scaled by `scaling` (kept so existing callers still build)
-    ns_dtype: str = "float32"  # Polar Express's dtype (NS_DTYPES); `orthogonalisation_dtype` picks it per machine
+    ns_dtype: str = "float32"  # Polar Express's: float32, bfloat16 or BF16_PRODUCTS; `orthogonalisation_dtype` picks it per machine
     ns_steps: int = 5  # Polar Express iterations (0 leaves only the normalisations: for measuring)
     batch_lr_scale: float = 1.0
     lr_frac: float = 1.0
@@ -299,8 +298,7 @@ def build_optimizer(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTrans
     }
     if cfg.optimizer == "muon":
         groups["matrix"] = muon(cfg.matrix_lr * scale, schedule, weight_decay=cfg.weight_decay,
-                                beta2=cfg.muon_beta2, ns_steps=cfg.ns_steps,
-                                ns_dtype=cfg.ns_dtype if cfg.ns_dtype == BF16_PRODUCTS else jnp.dtype(cfg.ns_dtype))
+                                beta2=cfg.muon_beta2, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype)
     else:
         # Plain AdamW fallback for the block matrices: a tenth of Muon's LR, standard betas.
         groups["matrix"] = adamw(cfg.matrix_lr * 0.1 * scale, 0.9, 0.95, 0.0)
