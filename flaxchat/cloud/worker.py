@@ -246,7 +246,7 @@ def supervise(state_dir: str) -> int:
     pump.join(OUTPUT_DRAIN_S)
     _write_json(p["exit"], {"exit_code": code, "ended_at": time.time()})
     log.write(f"=== flaxchat run {run['run_id']} exited with code {code} ===\n")
-    return code
+    return code  # the log is left open: a pump still draining a leftover's output writes to it until exit
 
 
 def stop(state_dir: str, grace: float = 10.0) -> dict:
