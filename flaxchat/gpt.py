@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flaxchat import ops
@@ -78,7 +79,7 @@ class Attention(nnx.Module):
             self.ve = None
             self.ve_gate = None
 
-    def qkv(self, x: jax.Array, idx: jax.Array, positions: jax.Array, rope_base: float):
+    def qkv(self, x: jax.Array, idx: jax.Array, rope: ops.RotaryTable):
         B, T, _ = x.shape
         q = self.c_q(x).reshape(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim)
@@ -88,15 +89,15 @@ class Attention(nnx.Module):
             ve = self.ve(idx).astype(x.dtype).reshape(B, T, self.n_kv_head, self.head_dim)
             gate = self.ve_gate_scale * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
             v = v + gate[..., None] * ve
-        q = ops.rotary(q, positions, rope_base)
-        k = ops.rotary(k, positions, rope_base)
+        q = ops.rotary(q, rope)
+        k = ops.rotary(k, rope)
         q = ops.rms_norm(q) * QK_SCALE
         k = ops.rms_norm(k) * QK_SCALE
         return q, k, v
 
-    def __call__(self, x, idx, positions, window: int, rope_base: float, kernel: ops.Kernel, attend=None):
+    def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernel: ops.Kernel, attend=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, idx, positions, rope_base)
+        q, k, v = self.qkv(x, idx, rope)
         if attend is None:
             y = ops.attention(q, k, v, window, kernel)
         else:
@@ -120,8 +121,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, idx, positions, window: int, rope_base: float, kernel: ops.Kernel, attend=None):
-        x = x + self.attn(ops.rms_norm(x), idx, positions, window, rope_base, kernel, attend)
+    def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernel: ops.Kernel, attend=None):
+        x = x + self.attn(ops.rms_norm(x), idx, rope, window, kernel, attend)
         return x + self.mlp(ops.rms_norm(x))
 
 
@@ -179,9 +180,9 @@ class GPT(nnx.Module):
         """
         cfg = self.config
         B, T = idx.shape
-        if positions is None:
-            positions = jnp.arange(T, dtype=jnp.int32)
         x = constrain(self.embed(idx, prev_embedding), ("batch", None, None))
+        rope = ops.rotary_table(np.arange(T) if positions is None else positions, cfg.head_dim, cfg.rope_base,
+                                x.dtype)
         x0 = x
         backout_layer = cfg.n_layer // 2
         x_backout = None
@@ -191,10 +192,10 @@ class GPT(nnx.Module):
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
             if attend is not None:
                 layer_attend = lambda q, k, v, w, i=i: attend(i, q, k, v, w)
-                x = block(x, idx, positions, windows[i], cfg.rope_base, kernel, layer_attend)
+                x = block(x, idx, rope, windows[i], kernel, layer_attend)
             else:
                 call = _remat_block if cfg.grad_checkpoint else _call_block
-                x = call(block, x, idx, positions, windows[i], cfg.rope_base, kernel)
+                x = call(block, x, idx, rope, windows[i], kernel)
             x = constrain(x, ("batch", None, None))
             if i == backout_layer:
                 x_backout = x
@@ -203,14 +204,14 @@ class GPT(nnx.Module):
         return self.head(x)
 
 
-def _call_block(block, x, idx, positions, window, rope_base, kernel):
-    return block(x, idx, positions, window, rope_base, kernel)
+def _call_block(block, x, idx, rope, window, kernel):
+    return block(x, idx, rope, window, kernel)
 
 
-_nnx_remat_block = nnx.remat(_call_block, static_argnums=(4, 5, 6))
+_nnx_remat_block = nnx.remat(_call_block, static_argnums=(4, 5))
 
 
-def _remat_block(block, x, idx, positions, window, rope_base, kernel):
+def _remat_block(block, x, idx, rope, window, kernel):
     """A block whose activations are recomputed in the backward pass (--grad-checkpoint).
 
     On TPU/GPU this is `nnx.remat`. On CPU it is not enough: XLA:CPU strips the optimization
@@ -219,26 +220,26 @@ def _remat_block(block, x, idx, positions, window, rope_base, kernel):
     from the block's output cotangent, so it cannot run before the backward pass reaches the block.
     """
     if not ops._on_cpu():
-        return _nnx_remat_block(block, x, idx, positions, window, rope_base, kernel)
+        return _nnx_remat_block(block, x, idx, rope, window, kernel)
     graphdef, state = nnx.split(block)
-    return _cpu_remat(graphdef, window, rope_base, kernel, state, x, idx, positions)
+    return _cpu_remat(graphdef, window, kernel, state, x, idx, rope)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _cpu_remat(graphdef, window, rope_base, kernel, state, x, idx, positions):
-    return nnx.merge(graphdef, state)(x, idx, positions, window, rope_base, kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cpu_remat(graphdef, window, kernel, state, x, idx, rope):
+    return nnx.merge(graphdef, state)(x, idx, rope, window, kernel)
 
 
-def _cpu_remat_fwd(graphdef, window, rope_base, kernel, state, x, idx, positions):
-    return _cpu_remat(graphdef, window, rope_base, kernel, state, x, idx, positions), (state, x, idx, positions)
+def _cpu_remat_fwd(graphdef, window, kernel, state, x, idx, rope):
+    return _cpu_remat(graphdef, window, kernel, state, x, idx, rope), (state, x, idx, rope)
 
 
-def _cpu_remat_bwd(graphdef, window, rope_base, kernel, res, ct):
-    state, x, idx, positions = res
+def _cpu_remat_bwd(graphdef, window, kernel, res, ct):
+    state, x, idx, rope = res
     # x + 0·ct[0]: XLA keeps a float multiply by zero (it is not an identity for inf/NaN), so this
     # is a true data dependency on the cotangent, the one ordering XLA:CPU's scheduler respects.
     x = x + (ct.reshape(-1)[0] * 0).astype(x.dtype)
-    f = lambda state, x: nnx.merge(graphdef, state)(x, idx, positions, window, rope_base, kernel)
+    f = lambda state, x: nnx.merge(graphdef, state)(x, idx, rope, window, kernel)
     _, vjp = jax.vjp(f, state, x)
     d_state, dx = vjp(ct)
     return d_state, dx, None, None
