@@ -128,20 +128,20 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
     y = jnp.roll(x, -1, axis=-1)
     variants = {"full": OptimConfig(optimizer="muon", n_embd=cfg.n_embd),
                 "no-ns": OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_steps=0), "noop": None}
-    runs, times = {}, {k: [] for k in variants}
+    models, runs, times = {}, {}, {k: [] for k in variants}
     for name, oc in variants.items():
-        model = GPT(cfg, rngs=nnx.Rngs(seed))
+        models[name] = GPT(cfg, rngs=nnx.Rngs(seed))
         tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000))
-        runs[name] = (model, nnx.Optimizer(model, tx, wrt=nnx.Param))
-        train_step(*runs[name], x, y).block_until_ready()  # compile
+        runs[name] = nnx.cached_partial(train_step, models[name], nnx.Optimizer(models[name], tx, wrt=nnx.Param))
+        runs[name](x, y).block_until_ready()  # compile
     for _ in range(steps):
-        for name, (model, opt) in runs.items():
+        for name, step in runs.items():
             t = time.perf_counter()
-            train_step(model, opt, x, y).block_until_ready()
+            step(x, y).block_until_ready()
             times[name].append(time.perf_counter() - t)
     ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
-    model = runs["full"][0]
+    model = models["full"]
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
     mats = muon_matrices(grads)
     alone = {}
@@ -186,14 +186,14 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
-    step = train_step  # each mode traces anew: the kernels are looked up at trace time
+    step = nnx.cached_partial(train_step, model, opt)  # as the stages call it; each mode traces anew
     t = time.perf_counter()
-    step(model, opt, x, y).block_until_ready()
+    step(x, y).block_until_ready()
     compile_s = time.perf_counter() - t
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        step(model, opt, x, y).block_until_ready()
+        step(x, y).block_until_ready()
         times.append(time.perf_counter() - t)
     dt = float(np.median(times))
     tokens = accum * rows * cfg.sequence_len

@@ -57,7 +57,12 @@ def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, norm
 
 @nnx.jit(donate_argnames=("model", "optimizer"))
 def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array):
-    """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss."""
+    """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss.
+
+    A loop calls it through `nnx.cached_partial(train_step, model, optimizer)`: a plain call walks
+    the model and optimizer graph in Python every step, 14 ms a step at depth 4 (84 arrays; 5-8
+    ms cached) on a 2-core CPU, where that time is taken from the two cores training.
+    """
     return _accumulated_step(model, optimizer, (inputs, targets))
 
 

@@ -285,10 +285,11 @@ def _run(tc: TrainConfig) -> dict:
     peak = device_peak_flops(compute) * compute.device_count
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
     last_bpb = None
+    step_fn = nnx.cached_partial(train_step, model, optimizer)  # see flaxchat.train.train_step
     while step < steps:
         x, y = next_batch()
         t0 = time.time()
-        loss = train_step(model, optimizer, x, y)
+        loss = step_fn(x, y)
         step += 1
         if progress.due():
             loss.block_until_ready()  # progress means a finished step, not a dispatched one

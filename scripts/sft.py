@@ -110,6 +110,8 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flax import nnx
+
     from flaxchat.train import loss_sum, train_step
 
     t_start = time.time()
@@ -169,9 +171,10 @@ def _run(cfg: SFTConfig) -> dict:
     metrics = MetricsLog(stage.path("metrics.jsonl"))
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
     t_window, tokens_window = time.time(), 0
+    step_fn = nnx.cached_partial(train_step, model, stage.optimizer)  # see flaxchat.train.train_step
     while step < steps:
         x, y, frac = next_batch()
-        loss = train_step(model, stage.optimizer, x, y)
+        loss = step_fn(x, y)
         step += 1
         tokens_window += x.size
         if stage.progress.due():
