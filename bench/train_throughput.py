@@ -18,8 +18,8 @@ the step with a no-op optimizer; the phases are their differences, as ms, share 
 share of the same run's matmul peak (FLOPs: the model's 6N + 12LdT per token; Polar Express per
 m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3):
   fwd+bwd    every micro-batch's forward and backward, the accumulation and the scan
-  update     the optimizer: muon-ns (Polar Express as it costs inside the step) + rest (momentum,
-             MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
+  update     the optimizer: muon-ns (Polar Express as it costs inside the step, in the dtype the header
+             names) + rest (momentum, MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
   ns-fp32, ns-bf16, ns-bf16p  Polar Express alone on the model's gradients, jitted on its own, in each
              dtype (bf16p: optim.BF16_PRODUCTS), and how much bf16 and bf16p change the update against
              fp32 (what `optim.orthogonalisation_dtype` weighs)
@@ -43,7 +43,8 @@ from flaxchat import ops
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, param_label, polar_express
+from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
+                            polar_express)
 from flaxchat.train import train_step
 
 CONFIGS = {
@@ -126,7 +127,8 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
-    variants = {"full": OptimConfig(optimizer="muon", n_embd=cfg.n_embd),
+    ns_dtype = orthogonalisation_dtype(jax.default_backend())  # the real step's, as pretraining picks it
+    variants = {"full": OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype),
                 "no-ns": OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_steps=0), "noop": None}
     models, runs, times = {}, {}, {k: [] for k in variants}
     for name, oc in variants.items():
@@ -169,7 +171,8 @@ def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0
     """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
     from bench import profiling
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd), Schedule(1000)),
+    oc = OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=orthogonalisation_dtype(jax.default_backend()))
+    opt = nnx.Optimizer(model, build_optimizer(oc, Schedule(1000)),
                         wrt=nnx.Param)
     x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
@@ -181,7 +184,8 @@ def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0
 
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd), Schedule(1000))
+    tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd,
+                                     ns_dtype=orthogonalisation_dtype(jax.default_backend())), Schedule(1000))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
@@ -229,7 +233,8 @@ def main(argv=None):
 
     peak = measured_matmul_peak(2048, jnp.float32)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
-          f"fp32 2048^3 matmul peak: {peak / 1e9:.0f} GFLOP/s")
+          f"fp32 2048^3 matmul peak: {peak / 1e9:.0f} GFLOP/s; the flaxchat modes' Polar Express in "
+          f"{orthogonalisation_dtype(jax.default_backend())} (optim.orthogonalisation_dtype)")
     print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'compile':>8}")
     for name in args.configs.split(","):
         spec = CONFIGS[name]

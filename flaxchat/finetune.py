@@ -162,7 +162,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     lrs = base_learning_rates(base_meta)
     schedule = Schedule(max(steps, 1), warmup_steps=0, warmdown_ratio=optim.warmdown_ratio, final_lr_frac=0.0,
                         momentum="finetune", weight_decay="constant")
-    ns_dtype = orthogonalisation_dtype(compute.backend)  # bf16 on TPU/GPU, fp32 on CPU
+    ns_dtype = orthogonalisation_dtype(compute.backend)  # bf16 on TPU/GPU; on a CPU by its bf16 dot instructions
     opt_cfg = OptimConfig(**{k: v for k, v in lrs.items() if k != "weight_decay"}, weight_decay=optim.weight_decay,
                           n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
 

@@ -195,9 +195,26 @@ def _normuon(o: jax.Array, v: jax.Array, beta2: float):
     return (of * scale).astype(o.dtype), v
 
 
-def orthogonalisation_dtype(backend: str) -> str:
-    """Polar Express's dtype: bf16 on TPU and GPU (their matrix units; nanochat runs it in bf16 on
-    GPU), fp32 on CPU. `--ns-dtype` overrides it.
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot-product instructions
+
+
+def cpu_has_bf16_dots(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 dot-product instructions (the flags of /proc/cpuinfo, so Linux;
+    elsewhere False). `cpuinfo`: that file's text, for tests."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in BF16_DOT_FLAGS)
+
+
+def orthogonalisation_dtype(backend: str, cpu_bf16: bool | None = None) -> str:
+    """Polar Express's dtype, from what the machine is: bf16 on TPU and GPU (their matrix units;
+    nanochat runs it in bf16 on GPU); on a CPU, BF16_PRODUCTS where it has bf16 dot instructions
+    (`cpu_has_bf16_dots`, or `cpu_bf16`), fp32 elsewhere. `--ns-dtype` overrides it.
 
     On a 2-core AMD EPYC (Zen 5, AVX-512 BF16), a bf16 product is fast only when it accumulates into
     fp32 and its right side is not transposed: a 2048³ product ran at 961 GFLOP/s from bf16 operands
@@ -206,15 +223,18 @@ def orthogonalisation_dtype(backend: str) -> str:
     50.3 ms at depth 4), and it moves the orthogonalised gradients by 5.6e-2 (median relative
     Frobenius difference). BF16_PRODUCTS keeps the iterate and the Gram matrix in fp32 and takes
     the other two products from bf16 operands: 45 against 50 ms at depth 4, 590 against 767 ms for
-    config B's 48 matrices (bench.train_throughput), moving the update by 1.4-2e-2. At depth 4 and
-    2,048 tokens per step the main job's tokens/s and its val bpb after 300 steps did not change
-    beyond noise (0.1452 against 0.1451), so it stays a choice, not the CPU default.
+    config B's 48 matrices (bench.train_throughput), and it moves the update by 1.3-2e-2, less than
+    the bf16 nanochat runs on GPU. At depth 4 and 2,048 tokens per step the main job's val bpb after
+    300 steps was 0.1452 against fp32's 0.1451; figures in docs/cpu_performance.md. CPUs with AMX
+    were not measured.
 
-    A timing probe at start-up is no way to choose: on a busy machine two runs of one job, or a run
-    and its resume, could land on different dtypes and so different updates.
-    `python -m bench.train_throughput --phases` prints every dtype's time and difference on any machine.
+    A CPU flag, not a timing probe: a probe on a busy machine could choose differently in two runs
+    of one job, or in a run and its resume. `python -m bench.train_throughput --phases` prints
+    every dtype's time and difference on any machine.
     """
-    return "bfloat16" if backend in ("tpu", "gpu", "cuda", "rocm") else "float32"
+    if backend in ("tpu", "gpu", "cuda", "rocm"):
+        return "bfloat16"
+    return BF16_PRODUCTS if (cpu_has_bf16_dots() if cpu_bf16 is None else cpu_bf16) else "float32"
 
 
 # --- parameter groups ---------------------------------------------------------------------------

@@ -217,10 +217,16 @@ def test_a_few_steps_lower_the_loss(which):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_orthogonalisation_dtype_is_bf16_on_accelerators_and_fixed_fp32_on_cpu():
-    from flaxchat.optim import orthogonalisation_dtype
+def test_orthogonalisation_dtype_is_chosen_by_what_the_machine_is():
+    from flaxchat.optim import BF16_PRODUCTS, cpu_has_bf16_dots, orthogonalisation_dtype
     assert orthogonalisation_dtype("tpu") == orthogonalisation_dtype("gpu") == "bfloat16"
-    assert orthogonalisation_dtype("cpu") == "float32"  # the same on every run and resume, busy machine or not
+    assert orthogonalisation_dtype("cpu", cpu_bf16=True) == BF16_PRODUCTS
+    assert orthogonalisation_dtype("cpu", cpu_bf16=False) == "float32"
+    zen5 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire_rapids = "flags\t\t: avx512f amx_bf16 amx_tile\n"
+    skylake = "flags\t\t: avx2 avx512f avx512bw avx512_vnni\n"
+    assert cpu_has_bf16_dots(zen5) and cpu_has_bf16_dots(sapphire_rapids)
+    assert not cpu_has_bf16_dots(skylake) and not cpu_has_bf16_dots("")
 
 
 def test_ns_steps_zero_leaves_only_the_normalisations():
