@@ -4,7 +4,7 @@
     python -m bench.same_losses --compare before.json      # on the new code: the largest difference
 
 The main job's shape (depth 4, 8 rows of 256 tokens per step, Muon + AdamW with the default
-recipe), a fixed seed and fixed token rows drawn from the built-in stories' vocabulary size, so two
+recipe, Polar Express in fp32 unless `--ns-dtype` says otherwise), a fixed seed and fixed token rows drawn from the built-in stories' vocabulary size, so two
 checkouts run the same steps. `--compare` prints each step's two losses and exits 1 when one differs
 by more than `--rtol` (float summation order differs between kernels; a recipe change moves the
 losses by far more).
@@ -19,18 +19,22 @@ import sys
 import numpy as np
 
 
-def losses(steps: int, rows: int, accum: int, seed: int = 0) -> list[float]:
+def losses(steps: int, rows: int, accum: int, seed: int = 0, ns_dtype: str = "float32") -> list[float]:
     import jax.numpy as jnp
     from flax import nnx
 
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    import jax
+
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype
     from flaxchat.train import train_step
 
     cfg = config_for_depth(4, vocab_size=4096, sequence_len=256)
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd), Schedule(1000))
+    if ns_dtype == "auto":
+        ns_dtype = orthogonalisation_dtype(jax.default_backend())
+    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     # A Zipf-like token distribution, so the model has something to learn in 20 steps.
@@ -48,11 +52,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8, help="rows of 256 tokens per micro-batch (default 8)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (default 1)")
+    ap.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16", "bf16-products", "auto"],
+                    help="Polar Express's dtype (default float32, the same on every machine; auto: what "
+                         "pretraining picks on this one)")
     ap.add_argument("--out", help="write the losses to this JSON file")
     ap.add_argument("--compare", help="compare with the losses in this JSON file")
     ap.add_argument("--rtol", type=float, default=1e-4, help="largest relative difference accepted (default 1e-4)")
     args = ap.parse_args(argv)
-    got = losses(args.steps, args.rows, args.accum)
+    got = losses(args.steps, args.rows, args.accum, ns_dtype=args.ns_dtype)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(got, f)
