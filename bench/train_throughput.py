@@ -12,6 +12,10 @@ Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·
              one micro-batch
   flaxchat16k  the real step at 16,384 tokens per optimizer step (gradient accumulation in one jit)
 
+`--ablate` adds, for the flaxchat modes, forward+backward without each of attention, rotary, RMSNorm and
+the CPU matmul backward (each its own compiled step, all timed in interleaved rounds): what each
+piece costs, untraced.
+
 `--phases` adds, for the flaxchat modes, where a step's time goes. Three copies of the real step run
 in interleaved rounds (median ms): the full step, the step without Polar Express's iterations and
 the step with a no-op optimizer; the phases are their differences, as ms, share of the step and
@@ -167,6 +171,51 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
             "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}}
 
 
+ABLATIONS = {  # name -> (the ops function replaced, its stand-in); the stand-ins keep every input used
+    "attention": ("attention", lambda q, k, v, window, kernel: v + 0 * q + 0 * k),
+    "rotary": ("rotary", lambda x, table: x),
+    "rms_norm": ("rms_norm", lambda x: x),
+    "cpu matmul backward": ("matmul", jnp.matmul),
+}
+
+
+def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> dict:
+    """ms of forward+backward (the no-op optimizer's step) whole and without each of ABLATIONS.
+
+    Each variant is its own compiled step (the `ops` function is swapped while it traces); all run
+    in interleaved rounds in this process, so drift moves them alike. Traced profiles cannot give
+    this: tracing inflates each of the step's ~1,800 small kernels."""
+    import optax
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
+    y = jnp.roll(x, -1, axis=-1)
+    runs, programs = {}, {}
+    for name in ("whole", *ABLATIONS):
+        attr, stand_in = ABLATIONS.get(name, (None, None))
+        saved = getattr(ops, attr) if attr else None
+        if attr:
+            setattr(ops, attr, stand_in)
+        try:
+            model = GPT(cfg, rngs=nnx.Rngs(seed))
+            opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+            step = nnx.jit(train_step.fun, donate_argnames=("model", "optimizer"))  # a jit cache of its own
+            programs[name] = step.lower(model, opt, x, y).as_text()
+            runs[name] = nnx.cached_partial(step, model, opt)
+            runs[name](x, y).block_until_ready()  # traces (with the stand-in) and compiles
+        finally:
+            if attr:
+                setattr(ops, attr, saved)
+        if name != "whole" and programs[name] == programs["whole"]:
+            raise RuntimeError(f"replacing ops.{attr} did not change the step: the model no longer calls it there")
+    times = {k: [] for k in runs}
+    for _ in range(steps):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run(x, y).block_until_ready()
+            times[name].append(time.perf_counter() - t)
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
 def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0) -> None:
     """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
     from bench import profiling
@@ -212,6 +261,8 @@ def main(argv=None):
     p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
     p.add_argument("--attention", default="auto", help="attention kernel of the flaxchat modes (default: %(default)s)")
     p.add_argument("--phases", action="store_true", help="also split the flaxchat modes' step by phase")
+    p.add_argument("--ablate", action="store_true",
+                   help="also time the flaxchat modes' forward+backward without each of: " + ", ".join(ABLATIONS))
     p.add_argument("--profile", action="store_true",
                    help="also print where a flaxchat step's time goes, kernel by kernel (XLA:CPU trace)")
     args = p.parse_args(argv)
@@ -269,6 +320,13 @@ def main(argv=None):
                 print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
                       f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e} (median relative Frobenius difference over "
                       "the block matrices)", flush=True)
+            if args.ablate and mode != "baseline":
+                ms = ablations(cfg, rows, accum, args.steps)
+                whole = ms.pop("whole")
+                print(f"{'':6}   fwd+bwd whole {whole:9.1f} ms  (a no-op optimizer; each line below: compiled without "
+                      "that piece, timed interleaved)", flush=True)
+                for name, m in ms.items():
+                    print(f"{'':6}   without {name:20} {m:9.1f} ms  {m - whole:+8.1f} ms", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB")
 
