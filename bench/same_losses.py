@@ -4,8 +4,8 @@
     python -m bench.same_losses --compare before.json      # on the new code: the largest difference
 
 The main job's shape (depth 4, 8 rows of 256 tokens per step, Muon + AdamW with the default
-recipe, Polar Express in fp32 unless `--ns-dtype` says otherwise), a fixed seed and fixed token rows drawn from the built-in stories' vocabulary size, so two
-checkouts run the same steps. `--compare` prints each step's two losses and exits 1 when one differs
+recipe, Polar Express in fp32 unless `--ns-dtype` says otherwise), a fixed seed and fixed token
+rows drawn from the built-in stories' vocabulary size, so two checkouts run the same steps. `--compare` prints each step's two losses and exits 1 when one differs
 by more than `--rtol` (float summation order differs between kernels; a recipe change moves the
 losses by far more).
 """
@@ -20,13 +20,12 @@ import numpy as np
 
 
 def losses(steps: int, rows: int, accum: int, seed: int = 0, ns_dtype: str = "float32") -> list[float]:
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT
-    import jax
-
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype
     from flaxchat.train import train_step
 

@@ -104,6 +104,12 @@ def muon_matrices(state: nnx.State) -> list[jax.Array]:
     return out
 
 
+def step_optim(cfg: GPTConfig, optimizer: str = "muon", **kw) -> OptimConfig:
+    """The optimizer of the real step, Polar Express in the dtype pretraining picks on this machine."""
+    return OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, ns_dtype=orthogonalisation_dtype(jax.default_backend()),
+                       **kw)
+
+
 def ns_flops(shape, steps: int = 5) -> float:
     m, n = sorted(shape[-2:])
     return steps * (4 * m * m * n + 2 * m ** 3) * int(np.prod(shape[:-2], dtype=np.int64))
@@ -131,9 +137,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
-    ns_dtype = orthogonalisation_dtype(jax.default_backend())  # the real step's, as pretraining picks it
-    variants = {"full": OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype),
-                "no-ns": OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_steps=0), "noop": None}
+    variants = {"full": step_optim(cfg), "no-ns": step_optim(cfg, ns_steps=0), "noop": None}
     models, runs, times = {}, {}, {k: [] for k in variants}
     for name, oc in variants.items():
         models[name] = GPT(cfg, rngs=nnx.Rngs(seed))
@@ -220,9 +224,7 @@ def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0
     """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
     from bench import profiling
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    oc = OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=orthogonalisation_dtype(jax.default_backend()))
-    opt = nnx.Optimizer(model, build_optimizer(oc, Schedule(1000)),
-                        wrt=nnx.Param)
+    opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000)), wrt=nnx.Param)
     x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
     text = train_step.lower(model, opt, x, y).compile().as_text()
@@ -233,8 +235,7 @@ def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0
 
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    tx = build_optimizer(OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd,
-                                     ns_dtype=orthogonalisation_dtype(jax.default_backend())), Schedule(1000))
+    tx = build_optimizer(step_optim(cfg, optimizer), Schedule(1000))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)

@@ -102,6 +102,7 @@ def run(cfg: SFTConfig) -> dict:
 
 def _run(cfg: SFTConfig) -> dict:
     import jax.numpy as jnp
+    from flax import nnx
 
     import tasks
     from flaxchat.chat_data import ConversationLoader, trained_fraction
@@ -110,8 +111,6 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flax import nnx
-
     from flaxchat.train import loss_sum, train_step
 
     t_start = time.time()
