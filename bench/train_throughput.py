@@ -20,7 +20,7 @@ piece costs, untraced.
 in interleaved rounds (median ms): the full step, the step without Polar Express's iterations and
 the step with a no-op optimizer; the phases are their differences, as ms, share of the step and
 share of the same run's matmul peak (FLOPs: the model's 6N + 12LdT per token; Polar Express per
-m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3):
+m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (4·steps - 3)·2m^3 in all):
   fwd+bwd    every micro-batch's forward and backward, the accumulation and the scan
   update     the optimizer: muon-ns (Polar Express as it costs inside the step, in the dtype the header
              names) + rest (momentum, MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
@@ -47,7 +47,7 @@ from flaxchat import ops
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
+from flaxchat.optim import (BF16_PRODUCTS, GRAM_FORM_ASPECT, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
                             polar_express)
 from flaxchat.train import train_step
 
@@ -90,7 +90,8 @@ PHASES = {
     "rest": "(the update's rest: momentum, normalisations, NorMuon, AdamW groups)",
     "ns-fp32": "(Polar Express alone, jitted on its own, fp32)",
     "ns-bf16": "(the same in bf16)",
-    "ns-bf16p": "(the same, fp32 with the polynomial's and the update's products from bf16 operands)",
+    "ns-bf16p": "(the same, bf16-products: square matrices' polynomial products from bf16 operands, rectangular "
+                "ones in the Gram form, fp32)",
 }
 
 
@@ -110,9 +111,15 @@ def step_optim(cfg: GPTConfig, optimizer: str = "muon", **kw) -> OptimConfig:
                        **kw)
 
 
-def ns_flops(shape, steps: int = 5) -> float:
+def ns_flops(shape, steps: int = 5, dtype="float32") -> float:
+    """FLOPs of Polar Express on one matrix of `shape`, in the form `optim.polar_express` takes for
+    `dtype`: the standard iteration, or (BF16_PRODUCTS, rectangular) the Gram form, which does
+    4·steps - 3 products of m x m x m plus the Gram matrix and the final product."""
     m, n = sorted(shape[-2:])
-    return steps * (4 * m * m * n + 2 * m ** 3) * int(np.prod(shape[:-2], dtype=np.int64))
+    count = int(np.prod(shape[:-2], dtype=np.int64))
+    if dtype == BF16_PRODUCTS and n >= GRAM_FORM_ASPECT * m and steps:
+        return (4 * m * m * n + (4 * steps - 3) * 2 * m ** 3) * count
+    return steps * (4 * m * m * n + 2 * m ** 3) * count
 
 
 def noise_note(phase: str, ms: float, flops: float | None, peak: float) -> str:
@@ -163,15 +170,15 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
         return float(np.median([float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
                                 for a, b in zip(alone[dtype][1], alone["float32"][1]) if jnp.linalg.norm(b) > 0]))
     tokens = accum * rows * cfg.sequence_len
-    ns_flops_total = sum(ns_flops(g.shape) for g in mats)
+    flops = {dtype: sum(ns_flops(g.shape, 5, dtype) for g in mats) for dtype in alone}
     return {"step": (ms["full"], None),
             "fwd+bwd": (ms["noop"], tokens * estimate_flops(model, window_aware=False)),
             "update": (ms["full"] - ms["noop"], None),
-            "muon-ns": (ms["full"] - ms["no-ns"], ns_flops_total),
+            "muon-ns": (ms["full"] - ms["no-ns"], flops[variants["full"].ns_dtype]),
             "rest": (ms["no-ns"] - ms["noop"], None),
-            "ns-fp32": (alone["float32"][0], ns_flops_total),
-            "ns-bf16": (alone["bfloat16"][0], ns_flops_total),
-            "ns-bf16p": (alone[BF16_PRODUCTS][0], ns_flops_total),
+            "ns-fp32": (alone["float32"][0], flops["float32"]),
+            "ns-bf16": (alone["bfloat16"][0], flops["bfloat16"]),
+            "ns-bf16p": (alone[BF16_PRODUCTS][0], flops[BF16_PRODUCTS]),
             "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}}
 
 

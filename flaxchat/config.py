@@ -156,8 +156,8 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
     # Muon's Polar Express: auto (optim.orthogonalisation_dtype: bf16 on TPU/GPU; on a CPU with bf16
     # dot instructions bf16-products, fp32 on other CPUs), float32, bfloat16, or bf16-products (fp32
-    # iterate and Gram matrix, the other products bf16 into fp32; see docs/cpu_performance.md;
-    # `bench.train_throughput --phases` measures it)
+    # iterate and Gram matrix, the other products bf16 into fp32; rectangular matrices in the Gram
+    # form, fp32; see docs/cpu_performance.md; `bench.train_throughput --phases` measures it)
     ns_dtype: str = "auto"
     sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
     eval_every: int = 250

@@ -53,7 +53,8 @@ HELP = {
     "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
     "ns_dtype": "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU; on a CPU bf16-products where it "
                 "has bf16 dot instructions, fp32 elsewhere), float32, bfloat16, or bf16-products (fp32, with two of its "
-                "three products from bf16 operands; see docs/cpu_performance.md)",
+                "three products from bf16 operands; rectangular matrices in the fp32 Gram form; see "
+                "docs/cpu_performance.md)",
     "sharding": "dp (parameters replicated), fsdp (parameters, gradients and optimizer state split), auto",
     "eval_every": "steps between validation bpb evaluations, and one at the end (0: none)",
     "eval_tokens": "validation tokens per evaluation",
