@@ -1,7 +1,7 @@
 """The model's two hot kernels, chosen per backend in this one module.
 
 * `matmul(x, w)`: a linear layer. On CPU its backward computes dW as `transpose(x) @ g`, the
-  transpose stored first (`_cpu_transpose`): XLA:CPU lowers the token-contracting dot `xᵀ·g` to a
+  transpose stored first (`stored_transpose`): XLA:CPU lowers the token-contracting dot `xᵀ·g` to a
   slow generic dot, and an explicit transpose followed by a plain NN matmul goes to the fast
   library (57% -> 66% MFU on an 8L/512d GPT). On TPU and GPU it is a plain `jnp.matmul`: the
   explicit transpose would only stop their compilers from fusing.
@@ -31,7 +31,7 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _cpu_transpose(x: jax.Array, perm) -> jax.Array:
+def stored_transpose(x: jax.Array, perm) -> jax.Array:
     """`jnp.transpose(x, perm)` as a copy of the materialised x, on CPU.
 
     XLA:CPU fuses a transpose with the elementwise work that produced its input and then runs the
@@ -69,7 +69,7 @@ def _matmul_bwd(res, g):
     x, w = res
     x2 = x.reshape(-1, x.shape[-1])
     g2 = g.reshape(-1, g.shape[-1])
-    xt = _cpu_transpose(x2, (1, 0))  # stored, so the dot is a plain NN one
+    xt = stored_transpose(x2, (1, 0))  # stored, so the dot is a plain NN one
     dw = jnp.matmul(xt, g2).astype(w.dtype)
     dx = jnp.matmul(g, w.T).astype(x.dtype)
     return dx, dw
@@ -293,8 +293,8 @@ def _attention_bwd(window, block, res, dout):
             dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i) * scale
             dqi = dqi + jnp.einsum("bhqk,bhkd->bhqd", ds.astype(q.dtype), kj, preferred_element_type=jnp.float32)
-            dkj = jnp.matmul(_cpu_transpose(ds.astype(q.dtype), (0, 1, 3, 2)), qi, preferred_element_type=jnp.float32)
-            dvj = jnp.matmul(_cpu_transpose(p.astype(v.dtype), (0, 1, 3, 2)), doi, preferred_element_type=jnp.float32)
+            dkj = jnp.matmul(stored_transpose(ds.astype(q.dtype), (0, 1, 3, 2)), qi, preferred_element_type=jnp.float32)
+            dvj = jnp.matmul(stored_transpose(p.astype(v.dtype), (0, 1, 3, 2)), doi, preferred_element_type=jnp.float32)
             add = lambda x, d: jax.lax.dynamic_update_slice_in_dim(
                 x, jax.lax.dynamic_slice_in_dim(x, ks, block, axis=2) + d, ks, axis=2)
             return dqi, add(dk, dkj), add(dv, dvj)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from flaxchat.config import LR
+from flaxchat.ops import stored_transpose
 
 # Polar Express coefficients for 5 iterations (nanochat optim.py / Amsel et al. 2025).
 POLAR_EXPRESS = (
@@ -120,9 +121,11 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
         return jnp.matmul(p.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     tall = x.shape[0] > x.shape[1]
     for a, b, c in POLAR_EXPRESS[:steps]:
-        # Work on the small Gram matrix: (n x n) for a tall matrix, (m x m) for a wide one.
+        # Work on the small Gram matrix: (n x n) for a tall matrix, (m x m) for a wide one. xᵀ·x
+        # contracts the rows, which XLA:CPU runs as a slow generic dot; with xᵀ stored first it is a
+        # plain product for its fast library (ops.stored_transpose; on TPU/GPU a plain transpose).
         if tall:
-            A = x.T @ x
+            A = stored_transpose(x, (1, 0)) @ x
             x = a * x + mm(x, b * A + c * mm(A, A))
         else:
             A = x @ x.T
@@ -145,7 +148,7 @@ def _gram_form(x: jax.Array, steps: int) -> jax.Array:
     (fp32's standard iteration: 4-5e-6). docs/cpu_performance.md has the table.
     """
     tall = x.shape[0] > x.shape[1]
-    A = x.T @ x if tall else x @ x.T
+    A = stored_transpose(x, (1, 0)) @ x if tall else x @ x.T  # xᵀ·x stored first: see polar_express
     eye = jnp.eye(A.shape[0], dtype=A.dtype)
     product = None
     for k, (a, b, c) in enumerate(POLAR_EXPRESS[:steps]):
