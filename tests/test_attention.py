@@ -59,6 +59,17 @@ def test_blockwise_equals_reference(dtype, window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T, window", [(32, 32), (32, 12), (20, 20), (16, 5)],
+                         ids=["two-blocks", "two-blocks-window12", "padded", "one-block-window5"])
+def test_short_sequences_take_the_unrolled_kernel_and_equal_reference(dtype, T, window, monkeypatch):
+    """Up to ops.SHORT_BLOCKS blocks the kernel is unrolled with its probabilities kept; the loops
+    must not run there (they raise if called), and the numbers are the reference's."""
+    assert -(-T // 16) <= ops.SHORT_BLOCKS
+    monkeypatch.setattr(ops, "_attention", lambda *a: (_ for _ in ()).throw(AssertionError("loops ran")))
+    _check(lambda q, k, v, w: ops.causal_attention(q, k, v, w, block=16), 2, T, 4, 2, 16, window, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [40, 20], ids=["causal", "window20"])
 def test_xla_equals_reference(dtype, window):
     _check(ops.xla_attention, 2, 40, 4, 2, 16, window, dtype)
