@@ -47,8 +47,8 @@ from flaxchat import ops
 from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import (BF16_PRODUCTS, GRAM_FORM_ASPECT, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
-                            polar_express)
+from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
+                            polar_express, uses_gram_form)
 from flaxchat.train import train_step
 
 CONFIGS = {
@@ -117,7 +117,7 @@ def ns_flops(shape, steps: int = 5, dtype="float32") -> float:
     4·steps - 3 products of m x m x m plus the Gram matrix and the final product."""
     m, n = sorted(shape[-2:])
     count = int(np.prod(shape[:-2], dtype=np.int64))
-    if dtype == BF16_PRODUCTS and n >= GRAM_FORM_ASPECT * m and steps:
+    if uses_gram_form(shape, dtype) and steps:
         return (4 * m * m * n + (4 * steps - 3) * 2 * m ** 3) * count
     return steps * (4 * m * m * n + 2 * m ** 3) * count
 

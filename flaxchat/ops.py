@@ -207,15 +207,21 @@ def _first_key_block(qs, window: int, block: int):
     return jnp.maximum(0, qs - window + 1) // block
 
 
+def _visible(qs, ks, keys: int, G: int, block: int, window: int, xp=jnp):
+    """Which of keys [ks, ks+keys) each row of a query block [qs, qs+block) sees, rows (g, query)
+    g-major; numpy (`xp=np`) where the block's place is known when tracing."""
+    qpos = qs + xp.tile(xp.arange(block), G)[:, None]
+    kpos = ks + xp.arange(keys)[None, :]
+    return (kpos <= qpos) & (kpos > qpos - window)
+
+
 def _tile(q_rows, qs, k, v, ks, window, block, scale):
     """Masked fp32 scores of one query block (B,Hkv,G·n,D) against keys [ks, ks+block)."""
     kj = jax.lax.dynamic_slice_in_dim(k, ks, block, axis=2)
     vj = jax.lax.dynamic_slice_in_dim(v, ks, block, axis=2)
     s = jnp.einsum("bhqd,bhkd->bhqk", q_rows, kj, preferred_element_type=jnp.float32) * scale
-    G = q_rows.shape[2] // block
-    qpos = qs + jnp.tile(jnp.arange(block), G)[:, None]  # rows are (g, query) g-major
-    kpos = ks + jnp.arange(block)[None, :]
-    return jnp.where((kpos <= qpos) & (kpos > qpos - window), s, -jnp.inf), kj, vj
+    visible = _visible(qs, ks, block, q_rows.shape[2] // block, block, window)
+    return jnp.where(visible, s, -jnp.inf), kj, vj
 
 
 def _rows(x, qs, block):
@@ -328,12 +334,6 @@ def _short_spans(T: int, window: int, block: int):
     return [(qs, max(0, qs - window + 1) // block * block, qs + block) for qs in range(0, T, block)]
 
 
-def _short_mask(qs: int, ks: int, ke: int, G: int, block: int, window: int) -> np.ndarray:
-    qpos = qs + np.tile(np.arange(block), G)[:, None]  # rows are (g, query) g-major
-    kpos = np.arange(ks, ke)[None, :]
-    return (kpos <= qpos) & (kpos > qpos - window)
-
-
 def _short_fwd(q, k, v, window, block):
     """q (B,Hkv,G,T,D), k/v (B,Hkv,T,D) -> out (B,Hkv,G,T,D) and each query block's probabilities."""
     B, Hkv, G, T, D = q.shape
@@ -341,7 +341,7 @@ def _short_fwd(q, k, v, window, block):
     for qs, ks, ke in _short_spans(T, window, block):
         qi = q[:, :, :, qs:qs + block].reshape(B, Hkv, G * block, D)
         s = jnp.einsum("bhqd,bhkd->bhqk", qi, k[:, :, ks:ke], preferred_element_type=jnp.float32) * D ** -0.5
-        p = jax.nn.softmax(jnp.where(_short_mask(qs, ks, ke, G, block, window), s, -jnp.inf), axis=-1)
+        p = jax.nn.softmax(jnp.where(_visible(qs, ks, ke - ks, G, block, window, np), s, -jnp.inf), axis=-1)
         o = jnp.matmul(p.astype(v.dtype), v[:, :, ks:ke], preferred_element_type=jnp.float32)
         outs.append(o.astype(q.dtype).reshape(B, Hkv, G, block, D))
         probs.append(p)

@@ -112,7 +112,7 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     col = jnp.maximum(jnp.linalg.norm(xf, axis=0, keepdims=True), 1e-6)
     x = x * (target / col).astype(x.dtype)
     x = x / (jnp.linalg.norm(x) * 1.01 + 1e-6)
-    if mixed and max(x.shape) >= GRAM_FORM_ASPECT * min(x.shape):
+    if uses_gram_form(x.shape, dtype):
         return _gram_form(x, steps).astype(g.dtype)
 
     def mm(p, q):  # a product the iteration tolerates in bf16 (the Gram matrix is not one)
@@ -121,16 +121,23 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
         return jnp.matmul(p.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     tall = x.shape[0] > x.shape[1]
     for a, b, c in POLAR_EXPRESS[:steps]:
-        # Work on the small Gram matrix: (n x n) for a tall matrix, (m x m) for a wide one. xᵀ·x
-        # contracts the rows, which XLA:CPU runs as a slow generic dot; with xᵀ stored first it is a
-        # plain product for its fast library (ops.stored_transpose; on TPU/GPU a plain transpose).
-        if tall:
-            A = stored_transpose(x, (1, 0)) @ x
-            x = a * x + mm(x, b * A + c * mm(A, A))
-        else:
-            A = x @ x.T
-            x = a * x + mm(b * A + c * mm(A, A), x)
+        A = _gram(x)
+        B = b * A + c * mm(A, A)
+        x = a * x + (mm(x, B) if tall else mm(B, x))
     return x.astype(g.dtype)
+
+
+def uses_gram_form(shape, dtype) -> bool:
+    """Whether `polar_express` takes the Gram form for a matrix of `shape` in `dtype`."""
+    m, n = sorted(shape[-2:])
+    return isinstance(dtype, str) and dtype == BF16_PRODUCTS and n >= GRAM_FORM_ASPECT * m
+
+
+def _gram(x: jax.Array) -> jax.Array:
+    """The small Gram matrix: xᵀ·x (n x n) for a tall x, x·xᵀ (m x m) for a wide one. xᵀ·x
+    contracts the rows, which XLA:CPU runs as a slow generic dot; with xᵀ stored first it is a
+    plain product for its fast library (ops.stored_transpose; on TPU/GPU a plain transpose)."""
+    return stored_transpose(x, (1, 0)) @ x if x.shape[0] > x.shape[1] else x @ x.T
 
 
 def _gram_form(x: jax.Array, steps: int) -> jax.Array:
@@ -148,7 +155,7 @@ def _gram_form(x: jax.Array, steps: int) -> jax.Array:
     (fp32's standard iteration: 4-5e-6). docs/cpu_performance.md has the table.
     """
     tall = x.shape[0] > x.shape[1]
-    A = stored_transpose(x, (1, 0)) @ x if tall else x @ x.T  # xᵀ·x stored first: see polar_express
+    A = _gram(x)
     eye = jnp.eye(A.shape[0], dtype=A.dtype)
     product = None
     for k, (a, b, c) in enumerate(POLAR_EXPRESS[:steps]):
