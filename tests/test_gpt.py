@@ -121,11 +121,12 @@ def test_attention_vjp_dq_dk_dv_equal_autodiff_fp32_and_bf16(window, T, block):
         assert _rel_err(got, want) <= 1.25 * _rel_err(ad, want) + 1e-3, name
 
 
-def test_matmul_vjp_equals_autodiff_fp32_and_bf16():
+@pytest.mark.parametrize("n_in,n_out", [(64, 96), (96, 64), (64, 64)])  # widens, narrows (g transposed), square
+def test_matmul_vjp_equals_autodiff_fp32_and_bf16(n_in, n_out):
     ks = jax.random.split(jax.random.key(4), 3)
-    x = jax.random.normal(ks[0], (2, 24, 64))
-    w = jax.random.normal(ks[1], (64, 96)) * 0.1
-    ct = jax.random.normal(ks[2], (2, 24, 96))
+    x = jax.random.normal(ks[0], (2, 24, n_in))
+    w = jax.random.normal(ks[1], (n_in, n_out)) * 0.1
+    ct = jax.random.normal(ks[2], (2, 24, n_out))
 
     def vjp(f, dtype):
         _, pull = jax.vjp(f, x.astype(dtype), w.astype(dtype))
