@@ -158,25 +158,29 @@ class GPT(nnx.Module):
         mixed = cur + gate * prev
         return mixed if prev_embedding is not None else jnp.concatenate([x[:, :1], mixed], axis=1)
 
-    def head(self, x: jax.Array) -> jax.Array:
-        """Final norm, LM head, crop the vocab padding, soft-cap the logits (fp32)."""
+    def head(self, x: jax.Array, softcap: bool = True) -> jax.Array:
+        """Final norm, LM head, crop the vocab padding, soft-cap the logits (fp32; the raw logits
+        with softcap=False, for the loss's fused soft-cap, `ops.softcap_cross_entropy`)."""
         x = ops.rms_norm(x)
         if self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(x.dtype))
         else:
             logits = self.lm_head(x)
         logits = logits[..., :self.config.vocab_size].astype(jnp.float32)
+        if not softcap:
+            return logits
         cap = self.config.logit_softcap
         return cap * jnp.tanh(logits / cap)
 
     def __call__(self, idx: jax.Array, positions: jax.Array | None = None, *, attend=None,
-                 prev_embedding: jax.Array | None = None) -> jax.Array:
+                 prev_embedding: jax.Array | None = None, softcap: bool = True) -> jax.Array:
         """idx (B, T) int32 -> logits (B, T, vocab_size) fp32.
 
         Inference hooks (the Engine's KV cache): `positions` (T,) or (B, T) absolute positions for
         the rotary embedding; `attend(layer, q, k, v, window) -> y` replaces the training attention
         (q (B,T,H,D), k/v (B,T,Hkv,D), y (B,T,H,D)); `prev_embedding` is the normed embedding of the
-        token just before idx[:, 0], for smear when decoding one token at a time.
+        token just before idx[:, 0], for smear when decoding one token at a time. `softcap=False`
+        returns the logits before the soft-cap, for the training loss (`ops.softcap_cross_entropy`).
         """
         cfg = self.config
         B, T = idx.shape
@@ -201,7 +205,7 @@ class GPT(nnx.Module):
                 x_backout = x
         if x_backout is not None:
             x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
-        return self.head(x)
+        return self.head(x, softcap)
 
 
 def _call_block(block, x, idx, rope, window, kernel):

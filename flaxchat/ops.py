@@ -472,3 +472,52 @@ def rotary(x: jax.Array, table: RotaryTable) -> jax.Array:
     cos, sin = table.cos.astype(x.dtype), table.sin.astype(x.dtype)
     x1, x2 = x[..., :d], x[..., d:]
     return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
+
+
+# --- the loss ----------------------------------------------------------------------------------
+
+
+def softcap_cross_entropy(z: jax.Array, labels: jax.Array, cap: float) -> jax.Array:
+    """Per-token cross-entropy (nats, fp32) of the soft-capped logits cap·tanh(z/cap).
+
+    z: raw logits (..., V); labels (...) in [0, V). On CPU with a hand-written backward (see
+    `_capped_ce_bwd`); on TPU and GPU the plain composition, which their compilers fuse.
+    """
+    z = z.astype(jnp.float32)
+    if _on_cpu():
+        return _capped_ce(z, labels, cap)
+    logits = cap * jnp.tanh(z / cap)
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _capped_ce(z, labels, cap):
+    return _capped_ce_fwd(z, labels, cap)[0]
+
+
+def _capped_ce_fwd(z, labels, cap):
+    s = cap * jnp.tanh(z / cap)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(s - m), axis=-1)) + m[..., 0]
+    zy = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    return lse - cap * jnp.tanh(zy / cap), (z, labels, lse)
+
+
+def _capped_ce_bwd(cap, res, g):
+    """dz = g·(softmax - onehot)·(1 - tanh²) in one pass over the saved raw logits.
+
+    Autodiff of the composition (optax's cross-entropy on cap·tanh(z/cap)) wrote five
+    logits-sized arrays per step (tanh, exp, its product with the row's gradient, a scatter of the
+    labels' -1 into a copy, the tanh derivative); this writes one, recomputing tanh and exp from z.
+    The LM head's forward+backward at config A's 2,048 x 4,096 logits (2-core AMD EPYC,
+    interleaved): 60.5 -> 55.7 ms.
+    """
+    z, labels, lse = res
+    t = jnp.tanh(z / cap)
+    p = jnp.exp(cap * t - lse[..., None])
+    hot = jnp.arange(z.shape[-1]) == labels[..., None]
+    return g[..., None] * (p - hot) * (1 - t * t), None
+
+
+_capped_ce.defvjp(_capped_ce_fwd, _capped_ce_bwd)

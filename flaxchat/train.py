@@ -13,17 +13,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
+from flaxchat import ops
 from flaxchat.gpt import GPT
 
 
 def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token cross-entropy in nats (fp32); 0 where target < 0."""
-    logits = model(inputs)
-    safe = jnp.maximum(targets, 0)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    raw = model(inputs, softcap=False)
+    losses = ops.softcap_cross_entropy(raw, jnp.maximum(targets, 0), model.config.logit_softcap)
     return jnp.where(targets >= 0, losses, 0.0)
 
 

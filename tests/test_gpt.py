@@ -139,6 +139,22 @@ def test_matmul_vjp_equals_autodiff_fp32_and_bf16(n_in, n_out):
         assert _rel_err(got, want) <= 1.25 * _rel_err(ad, want) + 1e-3
 
 
+def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient():
+    """The fused loss (on CPU its own backward from the raw logits) against autodiff of optax's
+    cross-entropy on cap·tanh(z/cap), with logits big enough that the cap bends them."""
+    import optax
+    ks = jax.random.split(jax.random.key(7), 3)
+    z = jax.random.normal(ks[0], (3, 7, 50)) * 20
+    labels = jax.random.randint(ks[1], (3, 7), 0, 50)
+    w = jax.random.uniform(ks[2], (3, 7))  # a weighted sum, so each row's cotangent differs
+    cap = 15.0
+    fused = lambda z: jnp.sum(w * ops.softcap_cross_entropy(z, labels, cap))
+    plain = lambda z: jnp.sum(w * optax.softmax_cross_entropy_with_integer_labels(cap * jnp.tanh(z / cap), labels))
+    assert ops._on_cpu()  # the hand-written backward is what runs here
+    assert _rel_err(fused(z), plain(z)) < 1e-6
+    assert _rel_err(jax.grad(fused)(z), jax.grad(plain)(z)) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
     """The model's gradient with its custom attention and matmul VJPs against the same model run on
