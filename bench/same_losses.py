@@ -33,7 +33,6 @@ def losses(steps: int, rows: int, accum: int, seed: int = 0, ns_dtype: str = "fl
     from flax import nnx
 
     from flaxchat import ops
-
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype

@@ -169,8 +169,7 @@ class GPT(nnx.Module):
         logits = logits[..., :self.config.vocab_size].astype(jnp.float32)
         if not softcap:
             return logits
-        cap = self.config.logit_softcap
-        return cap * jnp.tanh(logits / cap)
+        return ops.softcap(logits, self.config.logit_softcap)
 
     def __call__(self, idx: jax.Array, positions: jax.Array | None = None, *, attend=None,
                  prev_embedding: jax.Array | None = None, softcap: bool = True) -> jax.Array:

@@ -477,31 +477,37 @@ def rotary(x: jax.Array, table: RotaryTable) -> jax.Array:
 # --- the loss ----------------------------------------------------------------------------------
 
 
+def softcap(z: jax.Array, cap: float) -> jax.Array:
+    """cap·tanh(z/cap): logits squashed smoothly into (-cap, cap)."""
+    return cap * jnp.tanh(z / cap)
+
+
 def softcap_cross_entropy(z: jax.Array, labels: jax.Array, cap: float) -> jax.Array:
-    """Per-token cross-entropy (nats, fp32) of the soft-capped logits cap·tanh(z/cap).
+    """Per-token cross-entropy (nats, fp32) of the soft-capped logits softcap(z, cap).
 
     z: raw logits (..., V); labels (...) in [0, V). On CPU with a hand-written backward (see
-    `_capped_ce_bwd`); on TPU and GPU the plain composition, which their compilers fuse.
+    `_capped_ce_bwd`); on TPU and GPU the same forward under autodiff, which their compilers fuse.
     """
     z = z.astype(jnp.float32)
-    if _on_cpu():
-        return _capped_ce(z, labels, cap)
-    logits = cap * jnp.tanh(z / cap)
-    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits, axis=-1) - picked
+    return _capped_ce(z, labels, cap) if _on_cpu() else _capped_ce_loss(z, labels, cap)
+
+
+def _capped_ce_loss(z, labels, cap):
+    s = softcap(z, cap)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(s - m), axis=-1)) + m[..., 0]
+    zy = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    return lse - softcap(zy, cap), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _capped_ce(z, labels, cap):
-    return _capped_ce_fwd(z, labels, cap)[0]
+    return _capped_ce_loss(z, labels, cap)[0]
 
 
 def _capped_ce_fwd(z, labels, cap):
-    s = cap * jnp.tanh(z / cap)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(s - m), axis=-1)) + m[..., 0]
-    zy = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
-    return lse - cap * jnp.tanh(zy / cap), (z, labels, lse)
+    loss, lse = _capped_ce_loss(z, labels, cap)
+    return loss, (z, labels, lse)
 
 
 def _capped_ce_bwd(cap, res, g):
