@@ -11,8 +11,10 @@
   cuDNN flash attention on GPU and the blockwise kernel below on CPU.
 * `causal_attention(q, k, v, window)`, the blockwise kernel: per block of queries over only the key
   blocks it can see, so the causal triangle and a sliding window skip work instead of masking it.
-  Flash-style memory: the forward keeps one log-sum-exp per query row (O(T)), the backward
-  recomputes each block's probabilities from it; nothing of size T×T outlives a block.
+  Up to SHORT_TOKENS tokens the tiles are unrolled and their probabilities kept for the backward;
+  longer sequences run loops with flash-style memory: the forward keeps one log-sum-exp per query
+  row (O(T)), the backward recomputes each block's probabilities from it; nothing of size T×T
+  outlives a block.
 All compute the same numbers as `reference_attention`, up to float summation order.
 """
 
@@ -332,16 +334,25 @@ def _attention_bwd(window, block, res, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-# --- short sequences: the blocks unrolled, probabilities kept ----------------------------------
-# Up to SHORT_BLOCKS query blocks (T <= 256 at the default block: the main job's sequences), each
-# query block takes one tile over all the keys it can see (static slices and a numpy mask), one
-# plain softmax, and keeps its probabilities for the backward instead of recomputing them: a layer
-# keeps B·H·T·(T + block)/2 floats more (1.5 MB per row of 256 tokens at 4 heads). Same numbers as
-# the loops above up to float summation order. Config A (4L/256d, T = 256, 2-core AMD EPYC),
-# forward+backward, interleaved in one process: 202.8 -> 195.3 ms and 229.7 -> 211.5 ms (medians
-# of 25 and 20 rounds) at 8 x 256 tokens, 1,494 -> 1,450 ms at 16K tokens. At T = 512 (four
-# blocks) it measured the same as the loops (1,083 / 1,081 ms), so longer sequences keep them.
-SHORT_BLOCKS = 2
+# --- short sequences: the tiles unrolled, probabilities kept ----------------------------------
+# Sequences of up to SHORT_TOKENS tokens (the main job's 256, config B's 512) take tiles of
+# SHORT_TILE queries, unrolled: each query tile takes one tile over all the keys it can see (static
+# slices and a numpy mask), one plain softmax, and keeps its probabilities for the backward instead
+# of recomputing them: a layer keeps at most B·H·T·(T + tile)/2 floats more (0.66 MB per row of 256
+# tokens at 4 heads, 4.7 MB per row of 512 at 8). Same numbers as the loops below up to float
+# summation order. Longer sequences keep the loops and their O(T) memory.
+#
+# Why 64-query tiles: a 64-key granularity skips more of the causal triangle and the window than
+# 128 (at T = 256, window 128: 36,864 scores per head instead of 49,152), and a 64 x 256 fp32 tile
+# stays in L1/L2. Attention's forward+backward alone, 2-core AMD EPYC (Zen 4), medians of 40
+# interleaved rounds, against 128-key tiles unrolled up to two tiles and the loops beyond:
+#   (8, 256, 4 heads of 64), window 128: 24.5 -> 17.0 ms;  (4, 256, 4, 64), window 256: 12.9 -> 8.9 ms
+#   (2, 512, 8, 64), window 128: 22.7 -> 15.9 ms;          (2, 512, 8, 64), window 512: 34.0 -> 34.6 ms
+# Loops of 64-key blocks instead: 19.5, 11.9, 20.8 and 37.5 ms; of 32: slower still. The whole
+# train step (interleaved in one process, paired medians): config A -12.7 ms of 516 at 2K tokens and
+# -51 ms of 3,255 at 16K, config B -101 ms of 3,779 at 2K. docs/cpu_performance.md.
+SHORT_TOKENS = 512
+SHORT_TILE = 64
 
 
 def _short_spans(T: int, window: int, block: int):
@@ -402,12 +413,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, bloc
     A query at position t attends to keys max(0, t-window+1) .. t. Returns (B, T, H, D).
     Each block of queries computes scores only against the key blocks it can see, so work outside
     the causal triangle or the window is skipped, not masked. Scores and softmax in fp32. Up to
-    SHORT_BLOCKS blocks the loops are unrolled and the probabilities kept (see there).
+    SHORT_TOKENS tokens the tiles (of at most SHORT_TILE) are unrolled and the probabilities kept
+    (see there); longer sequences run loops over blocks of `block`.
     """
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
-    block = min(block, T)
+    short = T <= SHORT_TOKENS
+    block = min(block, SHORT_TILE, T) if short else min(block, T)
     pad = -T % block  # padded keys come after every real query, so causality hides them
     qt = jnp.transpose(q.reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4))  # (B, Hkv, G, T, D)
     kt = jnp.transpose(k, (0, 2, 1, 3))  # (B, Hkv, T, D)
@@ -415,8 +428,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, bloc
     if pad:
         qt = jnp.pad(qt, [(0, 0)] * 3 + [(0, pad), (0, 0)])
         kt, vt = (jnp.pad(x, [(0, 0)] * 2 + [(0, pad), (0, 0)]) for x in (kt, vt))
-    kernel = _short_attention if (T + pad) // block <= SHORT_BLOCKS else _attention
-    out = kernel(qt, kt, vt, window, block)[:, :, :, :T]
+    out = (_short_attention if short else _attention)(qt, kt, vt, window, block)[:, :, :, :T]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, H, D)
 
 

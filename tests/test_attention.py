@@ -51,22 +51,45 @@ def _check(attend, B, T, H, Hkv, D, window, dtype):
 DTYPES = [jnp.float32, jnp.bfloat16]
 
 
+def _refuse(name):
+    return lambda *a: (_ for _ in ()).throw(AssertionError(f"{name} ran"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [40, 20, 7], ids=["causal", "window20", "window7"])
-def test_blockwise_equals_reference(dtype, window):
-    """T=40 in blocks of 16 (a short last block); windows that end inside a block; 4 heads on 2."""
+def test_blockwise_loops_equal_reference(dtype, window, monkeypatch):
+    """The loops (what sequences longer than ops.SHORT_TOKENS run), here at T=40 in blocks of 16 (a
+    short last block); windows that end inside a block; 4 heads on 2."""
+    monkeypatch.setattr(ops, "SHORT_TOKENS", 16)
+    monkeypatch.setattr(ops, "_short_attention", _refuse("the unrolled kernel"))
     _check(lambda q, k, v, w: ops.causal_attention(q, k, v, w, block=16), 2, 40, 4, 2, 16, window, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T, window", [(32, 32), (32, 12), (20, 20), (16, 5)],
-                         ids=["two-blocks", "two-blocks-window12", "padded", "one-block-window5"])
+@pytest.mark.parametrize("T, window", [(40, 40), (40, 20), (40, 7), (32, 12), (20, 20), (16, 5)],
+                         ids=["causal", "window20", "window7", "window12", "padded", "one-tile-window5"])
 def test_short_sequences_take_the_unrolled_kernel_and_equal_reference(dtype, T, window, monkeypatch):
-    """Up to ops.SHORT_BLOCKS blocks the kernel is unrolled with its probabilities kept; the loops
+    """Up to ops.SHORT_TOKENS tokens the kernel is unrolled with its probabilities kept; the loops
     must not run there (they raise if called), and the numbers are the reference's."""
-    assert -(-T // 16) <= ops.SHORT_BLOCKS
-    monkeypatch.setattr(ops, "_attention", lambda *a: (_ for _ in ()).throw(AssertionError("loops ran")))
+    assert T <= ops.SHORT_TOKENS
+    monkeypatch.setattr(ops, "_attention", _refuse("the loops"))
     _check(lambda q, k, v, w: ops.causal_attention(q, k, v, w, block=16), 2, T, 4, 2, 16, window, dtype)
+
+
+def test_short_sequences_tile_by_at_most_short_tile(monkeypatch):
+    """The model's 128-key blocks become 64-query tiles on a short sequence (what measured faster),
+    a smaller block stays as it is, and a sequence over SHORT_TOKENS runs the loops in its blocks."""
+    seen = []
+    short = ops._short_attention
+    monkeypatch.setattr(ops, "_short_attention", lambda q, k, v, w, b: seen.append(("short", b)) or short(q, k, v, w, b))
+    loops = ops._attention
+    monkeypatch.setattr(ops, "_attention", lambda q, k, v, w, b: seen.append(("loops", b)) or loops(q, k, v, w, b))
+    q = jnp.ones((1, 256, 2, 8))
+    ops.causal_attention(q, q, q, 128, block=128)
+    ops.causal_attention(q, q, q, 128, block=32)
+    monkeypatch.setattr(ops, "SHORT_TOKENS", 128)
+    ops.causal_attention(q, q, q, 128, block=128)
+    assert seen == [("short", ops.SHORT_TILE), ("short", 32), ("loops", 128)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
