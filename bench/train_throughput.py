@@ -4,8 +4,9 @@
     python -m bench.train_throughput --configs A --steps 5
     python -m bench.train_throughput --configs A --modes flaxchat --phases --profile
 
-Peak = a jitted fp32 2048³ matmul measured here. MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak
-(the plain formula, full T for every layer). Modes per config:
+Peak = a jitted fp32 2048³ matmul, timed here beside every measured step (a shared host drifts).
+MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak (the plain formula, full T for every layer), per
+round against that round's peak, the median over rounds; the `peak` column is the rounds' median. Modes per config:
   baseline   a straightforward port: jnp.matmul backward, --attention xla (jax.nn.dot_product_attention, dense
              TxT masked scores), AdamW, no accumulation
   flaxchat   the real step (fast-backward matmul, --attention: auto is the blockwise kernel on CPU, Muon+AdamW),
@@ -44,7 +45,6 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import ops
-from flaxchat.common import measured_matmul_peak
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
 from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
@@ -69,6 +69,35 @@ def autodiff_matmul():
         yield
     finally:
         ops.matmul = saved
+
+
+class PeakProbe:
+    """The fp32 2048³ matmul peak, timed beside each measured step.
+
+    A shared 2-core host drifts: the peak read 106 to 206 GFLOP/s within one hour on a 2-core AMD
+    EPYC (Zen 4), so a peak taken once at the start can put a later step's MFU anywhere from 50%
+    to 80%. Each round times this product (the faster of two calls) right before the step, and a
+    mode's MFU is the median over rounds of (the step's FLOP/s) / (that round's peak)."""
+
+    N = 2048
+
+    def __init__(self):
+        a = jnp.ones((self.N, self.N), jnp.float32)
+        self._run = lambda f=jax.jit(lambda x, y: x @ y): f(a, a).block_until_ready()
+        self._run()  # compile
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            self._run()
+            best = min(best, time.perf_counter() - t)
+        self.samples.append(2 * self.N ** 3 / best)
+        return self.samples[-1]
+
+    def median(self) -> float:
+        return float(np.median(self.samples))
 
 
 def _median_ms(fn, steps: int) -> float:
@@ -131,7 +160,7 @@ def noise_note(phase: str, ms: float, flops: float | None, peak: float) -> str:
     return f" [{'below zero' if ms < 0 else 'above peak'}: noise between the medians; rerun with more --steps]"
 
 
-def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> dict:
+def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, probe: PeakProbe | None = None) -> dict:
     """ms per step of each phase (see the module docstring), its FLOPs (None: not counted), and
     Polar Express alone in each dtype with the update difference bf16 and bf16-products make.
 
@@ -152,6 +181,8 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> 
         runs[name] = nnx.cached_partial(train_step, models[name], nnx.Optimizer(models[name], tx, wrt=nnx.Param))
         runs[name](x, y).block_until_ready()  # compile
     for _ in range(steps):
+        if probe is not None:
+            probe.sample()
         for name, step in runs.items():
             t = time.perf_counter()
             step(x, y).block_until_ready()
@@ -240,7 +271,10 @@ def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0
     profiling.print_table(what, per_kind, kernels, top=12)
 
 
-def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0):
+def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0,
+             probe: PeakProbe | None = None):
+    """Median ms, tok/s and MFU of the real step; MFU per round against the peak timed just before
+    that round's step (`PeakProbe`), then the median over rounds."""
     model = GPT(cfg, rngs=nnx.Rngs(seed))
     tx = build_optimizer(step_optim(cfg, optimizer), Schedule(1000))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -251,15 +285,19 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
     t = time.perf_counter()
     step(x, y).block_until_ready()
     compile_s = time.perf_counter() - t
-    times = []
+    probe = probe or PeakProbe()
+    tokens = accum * rows * cfg.sequence_len
+    flops = estimate_flops(model, window_aware=False)
+    times, mfus, peaks = [], [], []
     for _ in range(steps):
+        peaks.append(probe.sample())
         t = time.perf_counter()
         step(x, y).block_until_ready()
         times.append(time.perf_counter() - t)
+        mfus.append(tokens * flops / times[-1] / peaks[-1])
     dt = float(np.median(times))
-    tokens = accum * rows * cfg.sequence_len
-    flops = estimate_flops(model, window_aware=False)
-    return dict(tokens=tokens, ms=dt * 1e3, tok_s=tokens / dt, flops_per_tok=flops, compile_s=compile_s)
+    return dict(tokens=tokens, ms=dt * 1e3, tok_s=tokens / dt, flops_per_tok=flops, compile_s=compile_s,
+                mfu=100 * float(np.median(mfus)), peak=float(np.median(peaks)))
 
 
 def main(argv=None):
@@ -288,13 +326,19 @@ def main(argv=None):
     cpu = info.get("model name") or platform.processor() or "unknown CPU"
     flags = info.get("flags", "").split()
     matrix_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    print(f"cpu: {cpu} ({', '.join(matrix_flags) or 'no AVX2/AVX-512/AMX flags seen'})")
+    # Family and model tell apart CPU generations that share a name: an "AMD EPYC" of family 25,
+    # model 17 (Zen 4: AVX-512 on 256-bit units) read a 2048³ fp32 peak of 160-206 GFLOP/s on 2
+    # cores, where the "AMD EPYC" machines of earlier sittings (taken for Zen 5) read 430-510.
+    generation = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
+    print(f"cpu: {cpu} ({'; '.join(filter(None, [generation, ', '.join(matrix_flags) or 'no AVX2/AVX-512/AMX flags seen']))})")
 
-    peak = measured_matmul_peak(2048, jnp.float32)
+    probe = PeakProbe()
+    peak = probe.sample()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
-          f"fp32 2048^3 matmul peak: {peak / 1e9:.0f} GFLOP/s; the flaxchat modes' Polar Express in "
+          f"fp32 2048^3 matmul peak at the start: {peak / 1e9:.0f} GFLOP/s (each MFU below divides by the peak "
+          f"timed beside each step); the flaxchat modes' Polar Express in "
           f"{orthogonalisation_dtype(jax.default_backend())} (optim.orthogonalisation_dtype)")
-    print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'compile':>8}")
+    print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'peak':>7} {'compile':>8}")
     for name in args.configs.split(","):
         spec = CONFIGS[name]
         cfg = dataclasses.replace(spec["cfg"], attention=args.attention)
@@ -302,22 +346,24 @@ def main(argv=None):
         for mode in args.modes.split(","):
             if mode == "baseline":
                 with autodiff_matmul():
-                    r = run_mode(dataclasses.replace(cfg, attention="xla"), spec["rows"], 1, "adamw", args.steps)
+                    r = run_mode(dataclasses.replace(cfg, attention="xla"), spec["rows"], 1, "adamw", args.steps,
+                                 probe=probe)
             elif mode == "flaxchat":
-                r = run_mode(cfg, spec["rows"], 1, "muon", args.steps)
+                r = run_mode(cfg, spec["rows"], 1, "muon", args.steps, probe=probe)
             elif mode == "flaxchat16k":
                 micro = spec["micro_rows"]
-                r = run_mode(cfg, micro, 16384 // (micro * T), "muon", args.steps)
+                r = run_mode(cfg, micro, 16384 // (micro * T), "muon", args.steps, probe=probe)
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
-            mfu = 100 * r["tok_s"] * r["flops_per_tok"] / peak
-            print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {mfu:>5.1f}% "
-                  f"{r['compile_s']:>7.1f}s", flush=True)
+            print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {r['mfu']:>5.1f}% "
+                  f"{r['peak'] / 1e9:>7.0f} {r['compile_s']:>7.1f}s", flush=True)
             rows, accum = (spec["rows"], 1) if mode != "flaxchat16k" else (micro, 16384 // (micro * T))
             if args.profile and mode != "baseline":
                 profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
             if args.phases and mode != "baseline":
-                split = phases(cfg, rows, accum, args.steps)
+                first = len(probe.samples)
+                split = phases(cfg, rows, accum, args.steps, probe=probe)
+                peak = float(np.median(probe.samples[first:]))  # the peak of these rounds
                 diffs = split.pop("diff")
                 step_ms = split["step"][0]
                 for phase, (ms, flops) in split.items():

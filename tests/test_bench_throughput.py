@@ -60,3 +60,22 @@ def test_ablate_times_each_piece_away_and_restores_the_model(capsys):
         assert abs(float(m.group(1)) - float(whole.group(1)) - float(m.group(2))) < 0.2, out
     # The stand-ins lived only while their own variant traced: the model is whole again afterwards.
     assert {attr: getattr(ops, attr) for attr in before} == before
+
+
+def test_mfu_divides_each_step_by_the_peak_timed_beside_it():
+    """A shared host drifts, so each round times the peak just before its step and MFU is the
+    median of the rounds' ratios: a probe that reports a fixed peak gives exactly tok/s x FLOPs / peak."""
+    class FixedPeak(train_throughput.PeakProbe):
+        def __init__(self):
+            self.samples = []
+
+        def sample(self):
+            self.samples.append(1e11)
+            return 1e11
+
+    probe = FixedPeak()
+    spec = train_throughput.CONFIGS["A"]
+    r = train_throughput.run_mode(spec["cfg"], 2, 1, "muon", 3, probe=probe)
+    assert probe.samples == [1e11] * 3  # one peak per timed step
+    assert r["peak"] == 1e11
+    assert abs(r["mfu"] - 100 * r["tok_s"] * r["flops_per_tok"] / 1e11) < 1e-6 * r["mfu"]
