@@ -17,6 +17,11 @@ def test_phases_split_the_real_step(capsys):
     names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16"
     phase = {m.group(1): float(m.group(2)) for m in re.finditer(rf"^\s+({names})\s+(-?[\d.]+) ms", out, re.M)}
     assert set(phase) == {"step", "fwd+bwd", "update", "muon-ns", "rest", "ns-fp32", "ns-bf16", "ns-bf16p"}, out
+    row = re.search(r"^A\s+flaxchat\s+2,048\s+[\d.]+\s+[\d,]+\s+([\d.]+)%\s+(\d+)", out, re.M)
+    best = re.search(r"^MFU against the best peak of this run \((\d+) GFLOP/s\): A flaxchat ([\d.]+)%", out, re.M)
+    assert row and best, out
+    # The run's best peak is at least the rounds' median, so the conservative MFU is the lower one.
+    assert int(best.group(1)) >= int(row.group(2)) and float(best.group(2)) <= float(row.group(1)) + 0.1, out
     # The phases are differences of one interleaved run: they add up to its step.
     assert abs(phase["fwd+bwd"] + phase["update"] - phase["step"]) < 0.2, out
     assert abs(phase["muon-ns"] + phase["rest"] - phase["update"]) < 0.2, out
