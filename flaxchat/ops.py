@@ -344,8 +344,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 #
 # Why 64-query tiles: a 64-key granularity skips more of the causal triangle and the window than
 # 128 (at T = 256, window 128: 36,864 scores per head instead of 49,152), and a 64 x 256 fp32 tile
-# stays in L1/L2. Attention's forward+backward alone, 2-core AMD EPYC (Zen 4), medians of 40
-# interleaved rounds, against 128-key tiles unrolled up to two tiles and the loops beyond:
+# stays in L1/L2. Attention's forward+backward alone (`python -m bench.attention`), 2-core AMD EPYC
+# (Zen 4), medians of 40 interleaved rounds, against 128-key tiles unrolled up to two tiles and the
+# loops beyond:
 #   (8, 256, 4 heads of 64), window 128: 24.5 -> 17.0 ms;  (4, 256, 4, 64), window 256: 12.9 -> 8.9 ms
 #   (2, 512, 8, 64), window 128: 22.7 -> 15.9 ms;          (2, 512, 8, 64), window 512: 34.0 -> 34.6 ms
 # Loops of 64-key blocks instead: 19.5, 11.9, 20.8 and 37.5 ms; of 32: slower still. The whole

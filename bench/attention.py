@@ -1,0 +1,110 @@
+"""The CPU attention kernel alone: forward+backward of each variant, interleaved in one process.
+
+    python -m bench.attention                                  # the shapes of configs A and B
+    python -m bench.attention --shape 8,256,4,64 --window 128 --rounds 40
+
+Each variant is `jax.grad` of sum(attention(q, k, v) * dO) with respect to q, k and v, jitted on its
+own; the rounds alternate between the variants (a shared host drifts), and each row prints the
+median and the median of its paired difference to the first variant:
+  tiles      the kernel as the model runs it (`ops.causal_attention`: SHORT_TILE-query tiles unrolled
+             up to SHORT_TOKENS tokens, loops beyond)
+  blocks128  the kernel before the tiles: 128-key blocks, unrolled only up to two of them (T <= 256)
+  loops      the loops at every length (128-key blocks)
+  dense      the textbook form (T x T masked scores) under autodiff
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxchat import ops
+
+# (B, T, heads, head_dim, window): a micro-batch of the main job / config A at 2K and 16K tokens
+# per step, and config B's short and long layers (bench.train_throughput's configs).
+SHAPES = [(8, 256, 4, 64, 128), (4, 256, 4, 64, 256), (2, 512, 8, 64, 128), (2, 512, 8, 64, 512)]
+
+
+@contextlib.contextmanager
+def _short(tile: int, tokens: int):
+    saved = ops.SHORT_TILE, ops.SHORT_TOKENS
+    ops.SHORT_TILE, ops.SHORT_TOKENS = tile, tokens
+    try:
+        yield
+    finally:
+        ops.SHORT_TILE, ops.SHORT_TOKENS = saved
+
+
+VARIANTS = {  # name -> (how the kernel is set while it traces, the attention function)
+    "tiles": (contextlib.nullcontext, lambda q, k, v, w: ops.causal_attention(q, k, v, w, 128)),
+    "blocks128": (lambda: _short(128, 256), lambda q, k, v, w: ops.causal_attention(q, k, v, w, 128)),
+    "loops": (lambda: _short(128, 0), lambda q, k, v, w: ops.causal_attention(q, k, v, w, 128)),
+    "dense": (contextlib.nullcontext, ops.reference_attention),
+}
+
+
+def time_variants(shape, rounds: int, names=tuple(VARIANTS), seed: int = 0) -> dict[str, list[float]]:
+    """Seconds per forward+backward of each variant, `rounds` interleaved rounds."""
+    B, T, H, D, window = shape
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) for _ in range(4))
+    runs, grads = {}, {}
+    for name in names:
+        setting, attend = VARIANTS[name]
+        fn = jax.jit(jax.grad(lambda q, k, v, attend=attend: jnp.sum(attend(q, k, v, window) * dout), (0, 1, 2)))
+        with setting():
+            grads[name] = jax.block_until_ready(fn(q, k, v))  # traces (with the setting) and compiles
+        runs[name] = fn
+    ref = grads[names[0]]
+    for name in names[1:]:  # the same gradients, up to float summation order
+        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(grads[name], ref))
+        if err > 1e-4:
+            raise RuntimeError(f"{name} disagrees with {names[0]}: relative error {err:.1e}")
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            jax.block_until_ready(runs[name](q, k, v))
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", help="B,T,heads,head_dim (default: the shapes of configs A and B)")
+    p.add_argument("--window", type=int, help="the window, with --shape (default: T)")
+    p.add_argument("--rounds", type=int, default=40, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, the first is the baseline of "
+                   "the paired column (default: %(default)s)")
+    args = p.parse_args(argv)
+    names = tuple(args.variants.split(","))
+    if args.rounds < 1 or not names or set(names) - set(VARIANTS):
+        raise SystemExit(f"--rounds must be at least 1 and --variants a list of {', '.join(VARIANTS)}.")
+    shapes = SHAPES
+    if args.shape:
+        try:
+            B, T, H, D = (int(x) for x in args.shape.split(","))
+        except ValueError:
+            raise SystemExit(f"--shape takes four whole numbers B,T,heads,head_dim (got {args.shape!r}).")
+        shapes = [(B, T, H, D, args.window or T)]
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; attention forward+backward, fp32, "
+          f"SHORT_TILE {ops.SHORT_TILE}, SHORT_TOKENS {ops.SHORT_TOKENS}")
+    for shape in shapes:
+        times = time_variants(shape, args.rounds, names)
+        base = np.array(times[names[0]])
+        print(f"(B, T, heads, head_dim) = {shape[:4]}, window {shape[4]}, {args.rounds} rounds:")
+        for name in names:
+            t = np.array(times[name])
+            print(f"  {name:10} {np.median(t) * 1e3:8.2f} ms   paired against {names[0]}: "
+                  f"{np.median(t - base) * 1e3:+7.2f} ms, faster in {np.mean(t < base):4.0%} of rounds", flush=True)
+
+
+if __name__ == "__main__":
+    from flaxchat.errors import reexec_with_hugepages
+    reexec_with_hugepages()
+    main()
