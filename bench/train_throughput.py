@@ -6,7 +6,8 @@
 
 Peak = a jitted fp32 2048³ matmul, timed here beside every measured step (a shared host drifts).
 MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak (the plain formula, full T for every layer), per
-round against that round's peak, the median over rounds; the `peak` column is the rounds' median. Modes per config:
+round against that round's peak, the median over rounds; the `peak` column is the rounds' median,
+and a closing line divides every row by the run's best peak instead. Modes per config:
   baseline   a straightforward port: jnp.matmul backward, --attention xla (jax.nn.dot_product_attention, dense
              TxT masked scores), AdamW, no accumulation
   flaxchat   the real step (fast-backward matmul, --attention: auto is the blockwise kernel on CPU, Muon+AdamW),
@@ -74,7 +75,7 @@ def autodiff_matmul():
 class PeakProbe:
     """The fp32 2048³ matmul peak, timed beside each measured step.
 
-    A shared 2-core host drifts: the peak read 106 to 206 GFLOP/s within one hour on a 2-core AMD
+    A shared 2-core host drifts: the peak read 106 to 213 GFLOP/s within one hour on a 2-core AMD
     EPYC (Zen 4), so a peak taken once at the start can put a later step's MFU anywhere from 50%
     to 80%. Each round times this product (the faster of two calls) right before the step, and a
     mode's MFU is the median over rounds of (the step's FLOP/s) / (that round's peak)."""
@@ -95,9 +96,6 @@ class PeakProbe:
             best = min(best, time.perf_counter() - t)
         self.samples.append(2 * self.N ** 3 / best)
         return self.samples[-1]
-
-    def median(self) -> float:
-        return float(np.median(self.samples))
 
 
 def _median_ms(fn, steps: int) -> float:

@@ -339,7 +339,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # SHORT_TILE queries, unrolled: each query tile takes one tile over all the keys it can see (static
 # slices and a numpy mask), one plain softmax, and keeps its probabilities for the backward instead
 # of recomputing them: a layer keeps at most B·H·T·(T + tile)/2 floats more (0.66 MB per row of 256
-# tokens at 4 heads, 4.7 MB per row of 512 at 8). Same numbers as the loops below up to float
+# tokens at 4 heads, 4.7 MB per row of 512 at 8). Same numbers as the loops above up to float
 # summation order. Longer sequences keep the loops and their O(T) memory.
 #
 # Why 64-query tiles: a 64-key granularity skips more of the causal triangle and the window than
