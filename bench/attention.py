@@ -40,10 +40,14 @@ def _short(tile: int, tokens: int):
         ops.SHORT_TILE, ops.SHORT_TOKENS = saved
 
 
+def _blockwise(q, k, v, window):
+    return ops.causal_attention(q, k, v, window, 128)  # the model's attn_block
+
+
 VARIANTS = {  # name -> (how the kernel is set while it traces, the attention function)
-    "tiles": (contextlib.nullcontext, lambda q, k, v, w: ops.causal_attention(q, k, v, w, 128)),
-    "blocks128": (lambda: _short(128, 256), lambda q, k, v, w: ops.causal_attention(q, k, v, w, 128)),
-    "loops": (lambda: _short(128, 0), lambda q, k, v, w: ops.causal_attention(q, k, v, w, 128)),
+    "tiles": (contextlib.nullcontext, _blockwise),
+    "blocks128": (lambda: _short(128, 256), _blockwise),
+    "loops": (lambda: _short(128, 0), _blockwise),
     "dense": (contextlib.nullcontext, ops.reference_attention),
 }
 
@@ -85,6 +89,8 @@ def main(argv=None):
     names = tuple(args.variants.split(","))
     if args.rounds < 1 or not names or set(names) - set(VARIANTS):
         raise SystemExit(f"--rounds must be at least 1 and --variants a list of {', '.join(VARIANTS)}.")
+    if args.window is not None and (not args.shape or args.window < 1):
+        raise SystemExit("--window takes a whole number of at least 1, and goes with --shape.")
     shapes = SHAPES
     if args.shape:
         try:

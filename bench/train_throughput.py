@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import ops
+from flaxchat.common import matmul_flops
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
 from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
@@ -80,21 +81,11 @@ class PeakProbe:
     to 80%. Each round times this product (the faster of two calls) right before the step, and a
     mode's MFU is the median over rounds of (the step's FLOP/s) / (that round's peak)."""
 
-    N = 2048
-
     def __init__(self):
-        a = jnp.ones((self.N, self.N), jnp.float32)
-        self._run = lambda f=jax.jit(lambda x, y: x @ y): f(a, a).block_until_ready()
-        self._run()  # compile
         self.samples: list[float] = []
 
     def sample(self) -> float:
-        best = float("inf")
-        for _ in range(2):
-            t = time.perf_counter()
-            self._run()
-            best = min(best, time.perf_counter() - t)
-        self.samples.append(2 * self.N ** 3 / best)
+        self.samples.append(matmul_flops(2048, jnp.float32, reps=2))
         return self.samples[-1]
 
 
