@@ -202,11 +202,11 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}}
 
 
-ABLATIONS = {  # name -> (the ops function replaced, its stand-in); the stand-ins keep every input used
-    "attention": ("attention", lambda q, k, v, window, kernel: v + 0 * q + 0 * k),
-    "rotary": ("rotary", lambda x, table: x),
-    "rms_norm": ("rms_norm", lambda x: x),
-    "cpu matmul backward": ("matmul", jnp.matmul),
+ABLATIONS = {  # name -> {ops function replaced: its stand-in}; the stand-ins keep every input used
+    "attention": {"attention": lambda q, k, v, window, kernel: v + 0 * q + 0 * k},
+    "rotary": {"rotary": lambda x, table: x, "rotary_rms_norm": lambda x, table, scale: ops.rms_norm(x) * scale},
+    "rms_norm": {"rms_norm": lambda x: x, "rotary_rms_norm": lambda x, table, scale: ops.rotary(x, table) * scale},
+    "cpu matmul backward": {"matmul": jnp.matmul},
 }
 
 
@@ -222,9 +222,9 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
     y = jnp.roll(x, -1, axis=-1)
     runs, programs = {}, {}
     for name in ("whole", *ABLATIONS):
-        attr, stand_in = ABLATIONS.get(name, (None, None))
-        saved = getattr(ops, attr) if attr else None
-        if attr:
+        stand_ins = ABLATIONS.get(name, {})
+        saved = {attr: getattr(ops, attr) for attr in stand_ins}
+        for attr, stand_in in stand_ins.items():
             setattr(ops, attr, stand_in)
         try:
             model = GPT(cfg, rngs=nnx.Rngs(seed))
@@ -234,10 +234,11 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
             runs[name] = nnx.cached_partial(step, model, opt)
             runs[name](x, y).block_until_ready()  # traces (with the stand-in) and compiles
         finally:
-            if attr:
-                setattr(ops, attr, saved)
+            for attr, fn in saved.items():
+                setattr(ops, attr, fn)
         if name != "whole" and programs[name] == programs["whole"]:
-            raise RuntimeError(f"replacing ops.{attr} did not change the step: the model no longer calls it there")
+            raise RuntimeError(f"replacing ops.{', ops.'.join(stand_ins)} did not change the step: the model no "
+                               "longer calls it there")
     times = {k: [] for k in runs}
     for _ in range(steps):
         for name, run in runs.items():

@@ -89,10 +89,8 @@ class Attention(nnx.Module):
             ve = self.ve(idx).astype(x.dtype).reshape(B, T, self.n_kv_head, self.head_dim)
             gate = self.ve_gate_scale * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
             v = v + gate[..., None] * ve
-        q = ops.rotary(q, rope)
-        k = ops.rotary(k, rope)
-        q = ops.rms_norm(q) * QK_SCALE
-        k = ops.rms_norm(k) * QK_SCALE
+        q = ops.rotary_rms_norm(q, rope, QK_SCALE)
+        k = ops.rotary_rms_norm(k, rope, QK_SCALE)
         return q, k, v
 
     def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernel: ops.Kernel, attend=None):

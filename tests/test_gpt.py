@@ -158,6 +158,30 @@ def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient(
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rotary_rms_norm_with_its_own_backward_equals_autodiff(dtype):
+    """q and k's rotary + QK-norm with the CPU's hand-written backward (from the output and one RMS
+    per row) against autodiff of rms_norm(rotary(x)) * scale: fp32 to float rounding; bf16 no
+    further from the fp32 result than autodiff in bf16 is."""
+    assert ops._on_cpu()  # the hand-written backward is what runs here
+    ks = jax.random.split(jax.random.key(3), 3)
+    x = (jax.random.normal(ks[0], (2, 24, 3, 16)) * 3).astype(dtype)
+    g = jax.random.normal(ks[1], x.shape).astype(dtype)  # a cotangent that differs per element
+    table = ops.rotary_table(np.arange(24), 16, 100.0, dtype)
+    ours = lambda x: ops.rotary_rms_norm(x, table, 1.2)
+    plain = lambda x: ops.rms_norm(ops.rotary(x, table)) * 1.2
+    (y, vjp), (y_plain, vjp_plain) = jax.vjp(ours, x), jax.vjp(plain, x)
+    table32 = ops.rotary_table(np.arange(24), 16, 100.0, jnp.float32)
+    y_exact, vjp_exact = jax.vjp(lambda x: ops.rms_norm(ops.rotary(x, table32)) * 1.2, x.astype(jnp.float32))
+    exact = vjp_exact(g.astype(jnp.float32))[0]
+    if dtype == jnp.float32:
+        assert _rel_err(y, y_plain) < 1e-6 and _rel_err(vjp(g)[0], vjp_plain(g)[0]) < 1e-6
+    else:
+        assert _rel_err(y, y_exact) <= 1.25 * _rel_err(y_plain, y_exact) + 1e-3
+        assert _rel_err(vjp(g)[0], exact) <= 1.25 * _rel_err(vjp_plain(g)[0], exact) + 1e-3
+    assert _rel_err(vjp(g)[0], exact) > 0  # the two backwards are different programs
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
     """The model's gradient with its custom attention and matmul VJPs against the same model run on
     plain ops (dense attention through the `attend` hook, `x @ w`), differentiated by autodiff."""
@@ -185,6 +209,7 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
     custom = grads(dtype, False)
     with monkeypatch.context() as mp:
         mp.setattr(ops, "matmul", lambda a, b: a @ b)
+        mp.setattr(ops, "rotary_rms_norm", lambda x, table, scale: ops.rms_norm(ops.rotary(x, table)) * scale)
         plain = grads(dtype, True)
         exact = grads(jnp.float32, True)
     flat = lambda t: np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(t)])
