@@ -253,6 +253,13 @@ def _put_rows(x, rows, qs, block):
     return jax.lax.dynamic_update_slice_in_dim(x, rows, qs, axis=3)
 
 
+def _row_dot(a, b):
+    """sum(a * b, axis=-1) in fp32, as a dot: XLA:CPU lowered the plain sum over head_dim of these
+    5-D arrays (B, Hkv, G, T, D) to a reduce-window and a reduce, 2.7 ms at config A's
+    (8, 4, 1, 256, 64) where this takes 0.22 ms (2-core AMD EPYC Zen 4)."""
+    return jnp.einsum("...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32))
+
+
 def _attn_fwd(q, k, v, window, block):
     """q (B,Hkv,G,T,D), k/v (B,Hkv,T,D), T a multiple of block -> out, lse (B,Hkv,G,T) fp32."""
     B, Hkv, G, T, D = q.shape
@@ -300,7 +307,7 @@ def _attention_bwd(window, block, res, dout):
     q, k, v, out, lse = res
     B, Hkv, G, T, D = q.shape
     scale = D ** -0.5
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B,Hkv,G,T)
+    delta = _row_dot(dout, out)  # (B,Hkv,G,T)
 
     def q_step(i, carry):
         dq, dk, dv = carry
@@ -388,7 +395,7 @@ def _short_attention_fwd(q, k, v, window, block):
 def _short_attention_bwd(window, block, res, dout):
     q, k, v, out, probs = res
     B, Hkv, G, T, D = q.shape
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B,Hkv,G,T)
+    delta = _row_dot(dout, out)  # (B,Hkv,G,T)
     dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for (qs, ks, ke), p in zip(_short_spans(T, window, block), probs):
         rows = lambda x: x[:, :, :, qs:qs + block].reshape((B, Hkv, G * block) + x.shape[4:])
