@@ -30,29 +30,25 @@ def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
     return int(result) if isinstance(result, int) else 0
 
 
-# glibc malloc tunables for XLA:CPU (read only at process start). hugetlb=1: transparent huge pages
-# for malloc'd memory. The rest keep freed memory in the process: XLA:CPU allocates a fresh buffer
-# arena for every step (314 MB for config A at 2K tokens), which glibc would otherwise unmap and map
-# again, and every page of it would fault in again (88,900 faults a step with 4 KiB pages, 0 with
-# these). One arena, no mmap'd chunks, no trimming. docs/cpu_performance.md has the measurements
-# (an Intel Xeon with AMX: the main job 4-8% faster; AMD Zen 5: no change).
-GLIBC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
-                  "glibc.malloc.trim_threshold=17179869184")
-
-
 def reexec_with_hugepages() -> None:
-    """Restart this process once with `GLIBC_TUNABLES` above (huge pages, memory kept between steps).
+    """Restart this process once with glibc's transparent huge pages for malloc.
 
     XLA:CPU allocates fresh large buffers every step; with 4 KiB pages each one page-faults in. With
-    glibc.malloc.hugetlb=1 alone a 2K-token train step ran 19% faster on a 2-core machine (measured
-    with one train step, interleaved). The tunables are read at process start, hence the re-exec; it
-    is skipped when the user set GLIBC_TUNABLES, off Linux, or with FLAXCHAT_NO_HUGEPAGES=1.
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 a 2K-token train step ran 19% faster on a 2-core machine
+    (measured with one train step, interleaved). The tunable is read at process start, hence the re-exec; it is skipped when the
+    user set GLIBC_TUNABLES, off Linux, or with FLAXCHAT_NO_HUGEPAGES=1.
+
+    Keeping freed memory in the process too (adding glibc.malloc.arena_max=1, mmap_max=0 and
+    trim_threshold=17179869184, so the step's buffers are not faulted in again) made the main job
+    1-9% faster at 2,048 tokens per step on an Intel Xeon, but 7-8% slower at 16K tokens per step
+    (gradient accumulation), with ~1 GB more kept; on AMD it gained nothing. docs/cpu_performance.md
+    has the runs. Set GLIBC_TUNABLES yourself to choose it.
     """
     import os
     if (not sys.platform.startswith("linux") or "GLIBC_TUNABLES" in os.environ
             or os.environ.get("FLAXCHAT_NO_HUGEPAGES") == "1" or not getattr(sys, "orig_argv", None)):
         return
-    env = dict(os.environ, GLIBC_TUNABLES=GLIBC_TUNABLES)
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError:
