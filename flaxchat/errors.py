@@ -41,8 +41,8 @@ def reexec_with_hugepages() -> None:
     Keeping freed memory in the process too (adding glibc.malloc.arena_max=1, mmap_max=0 and
     trim_threshold=17179869184, so the step's buffers are not faulted in again) made the main job
     1-9% faster at 2,048 tokens per step on an Intel Xeon, but 7-8% slower at 16K tokens per step
-    (gradient accumulation), with ~1 GB more kept; on AMD it gained nothing. docs/cpu_performance.md
-    has the runs. Set GLIBC_TUNABLES yourself to choose it.
+    (gradient accumulation), and it held more memory; on AMD (Zen 5) it gained nothing at 2K and was
+    4% slower at 16K. docs/cpu_performance.md has the runs. Set GLIBC_TUNABLES yourself to choose it.
     """
     import os
     if (not sys.platform.startswith("linux") or "GLIBC_TUNABLES" in os.environ
