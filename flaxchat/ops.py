@@ -569,7 +569,7 @@ def softcap_cross_entropy(z: jax.Array, labels: jax.Array, cap: float) -> jax.Ar
     `_capped_ce_bwd`); on TPU and GPU the same forward under autodiff, which their compilers fuse.
     """
     z = z.astype(jnp.float32)
-    return _capped_ce(z, labels, cap) if _on_cpu() else _capped_ce_loss(z, labels, cap)
+    return _capped_ce(z, labels, cap) if _on_cpu() else _capped_ce_loss(z, labels, cap)[0]
 
 
 def _capped_ce_loss(z, labels, cap):
