@@ -35,8 +35,9 @@ def reexec_with_hugepages() -> None:
 
     XLA:CPU allocates fresh large buffers every step; with 4 KiB pages each one page-faults in. With
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 a 2K-token train step ran 19% faster on a 2-core machine
-    (measured with one train step, interleaved). The tunable is read at process start, hence the re-exec; it is skipped when the
-    user set GLIBC_TUNABLES, off Linux, or with FLAXCHAT_NO_HUGEPAGES=1.
+    (measured with one train step, interleaved). The tunable is read at process start, hence the
+    re-exec; it is skipped when the user set GLIBC_TUNABLES, off Linux, or with
+    FLAXCHAT_NO_HUGEPAGES=1.
 
     Keeping freed memory in the process too (adding glibc.malloc.arena_max=1, mmap_max=0 and
     trim_threshold=17179869184, so the step's buffers are not faulted in again) made the main job
