@@ -78,7 +78,8 @@ def kernel_kinds(hlo_text: str) -> dict[str, str]:
             if dots:
                 dot_shape, dot_rest = dots[0]
                 operands = {n for n in re.findall(r"%([\w.\-]+)", dot_rest.split(")")[0])}
-                bf16 = any(s.startswith("bf16") for n, s, _, _ in inner if n in operands)
+                scope = inner if called else instructions  # a plain dot's operands are its neighbours
+                bf16 = any(s.startswith("bf16") for n, s, _, _ in scope if n in operands)
                 kinds[name] = f"dot {dot_shape}" + (" (bf16 operands)" if bf16 else "")
             else:
                 ops = sorted({o for _, _, o, _ in inner} - _IGNORED_OPS)
