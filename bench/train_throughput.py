@@ -29,6 +29,10 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
   ns-fp32, ns-bf16, ns-bf16p  Polar Express alone on the model's gradients, jitted on its own, in each
              dtype (bf16p: optim.BF16_PRODUCTS), and how much bf16 and bf16p change the update against
              fp32 (what `optim.orthogonalisation_dtype` weighs)
+
+`--profile` adds, for the flaxchat modes, one step's kernels by kind (XLA:CPU trace; bench/profiling.py);
+`--cycles` where the process's CPU time goes over `--steps` steps by kind, with the user and system CPU
+time per step, its page faults and how busy the cores were (Linux perf samples; bench/cycles.py).
 """
 
 from __future__ import annotations
@@ -248,17 +252,34 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
     return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
 
 
-def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, seed: int = 0) -> None:
-    """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
-    from bench import profiling
+def real_step(cfg: GPTConfig, rows: int, accum: int, seed: int = 0):
+    """One real train step, compiled and run once: (run it again, its compiled module's text)."""
     model = GPT(cfg, rngs=nnx.Rngs(seed))
     opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000)), wrt=nnx.Param)
     x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
     text = train_step.lower(model, opt, x, y).compile().as_text()
-    train_step(model, opt, x, y).block_until_ready()
-    per_kind, kernels = profiling.kernel_times(lambda: train_step(model, opt, x, y).block_until_ready(), text)
+    step = nnx.cached_partial(train_step, model, opt)  # as the stages call it
+    step(x, y).block_until_ready()
+    return (lambda: step(x, y).block_until_ready()), text
+
+
+def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int) -> None:
+    """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
+    from bench import profiling
+    run, text = real_step(cfg, rows, accum)
+    per_kind, kernels = profiling.kernel_times(run, text)
     profiling.print_table(what, per_kind, kernels, top=12)
+
+
+def cycles_mode(what: str, cfg: GPTConfig, rows: int, accum: int, steps: int) -> None:
+    """Where the process's CPU time goes over `steps` real train steps (perf samples; bench/cycles.py)."""
+    from bench import cycles
+    run, _ = real_step(cfg, rows, accum)
+    run()  # a second call: the first one's buffers are not the steady state
+    sampled = cycles.sample(run, calls=steps)
+    if sampled:
+        cycles.print_cycles(what, *sampled)
 
 
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0,
@@ -301,6 +322,9 @@ def main(argv=None):
                    help="also time the flaxchat modes' forward+backward without each of: " + ", ".join(ABLATIONS))
     p.add_argument("--profile", action="store_true",
                    help="also print where a flaxchat step's time goes, kernel by kernel (XLA:CPU trace)")
+    p.add_argument("--cycles", action="store_true",
+                   help="also print where the process's CPU time goes over a flaxchat mode's steps, by kind "
+                        "(Linux perf samples: products, XLA's loops, page zeroing, malloc, ...) and how busy the cores were")
     args = p.parse_args(argv)
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
         from bench import profiling
@@ -352,6 +376,8 @@ def main(argv=None):
             rows, accum = (spec["rows"], 1) if mode != "flaxchat16k" else (micro, 16384 // (micro * T))
             if args.profile and mode != "baseline":
                 profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
+            if args.cycles and mode != "baseline":
+                cycles_mode(f"a {mode} step of config {name}", cfg, rows, accum, args.steps)
             if args.phases and mode != "baseline":
                 first = len(probe.samples)
                 split = phases(cfg, rows, accum, args.steps, probe=probe)
