@@ -94,35 +94,33 @@ def sample(run, calls: int = 5, frequency: int = 499, timeout: float = 600.0):
     if why:
         print(f"cycles: not sampled: {why}.")
         return None
-    folder = tempfile.mkdtemp(prefix="flaxchat-cycles-")
-    data = os.path.join(folder, "perf.data")
-    perf = subprocess.Popen(["perf", "record", "-q", "-F", str(frequency), "-o", data, "-p", str(os.getpid())],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # perf attaches to every thread before the first sample
-    if perf.poll() is not None:
-        print(f"cycles: not sampled: perf record exited: {perf.stderr.read().decode().strip()[:300]}")
-        return None
-    before, machine, t = resource.getrusage(resource.RUSAGE_SELF), _cpu_times(), time.perf_counter()
-    try:
-        for _ in range(calls):
-            run()
-    finally:
-        wall = time.perf_counter() - t
-        after, machine_after = resource.getrusage(resource.RUSAGE_SELF), _cpu_times()
-        perf.send_signal(signal.SIGINT)
+    with tempfile.TemporaryDirectory(prefix="flaxchat-cycles-") as folder:  # removed on every way out
+        data = os.path.join(folder, "perf.data")
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", str(frequency), "-o", data, "-p", str(os.getpid())],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # perf attaches to every thread before the first sample
+        if perf.poll() is not None:
+            print(f"cycles: not sampled: perf record exited: {perf.stderr.read().decode().strip()[:300]}")
+            return None
+        before, machine, t = resource.getrusage(resource.RUSAGE_SELF), _cpu_times(), time.perf_counter()
         try:
-            perf.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            perf.kill()
-            perf.wait()
-    report = subprocess.run(["perf", "report", "-i", data, "--sort", "dso,symbol", "--stdio"],
-                            capture_output=True, text=True, timeout=timeout)
-    shutil.rmtree(folder, ignore_errors=True)
+            for _ in range(calls):
+                run()
+        finally:
+            wall = time.perf_counter() - t
+            after, machine_after = resource.getrusage(resource.RUSAGE_SELF), _cpu_times()
+            perf.send_signal(signal.SIGINT)
+            try:
+                perf.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                perf.kill()
+                perf.wait()
+        report = subprocess.run(["perf", "report", "-i", data, "--sort", "dso,symbol", "--stdio"],
+                                capture_output=True, text=True, timeout=timeout)
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     usage = dict(wall_ms=1e3 * wall / calls, user_ms=1e3 * user / calls, system_ms=1e3 * system / calls,
-                 faults=(after.ru_minflt - before.ru_minflt) / calls,
-                 busy=(user + system) / (wall * (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                 else os.cpu_count() or 1)))
+                 faults=(after.ru_minflt - before.ru_minflt) / calls, busy=(user + system) / (wall * cores))
     if machine and machine_after:  # a virtual machine's host running something else on our cores
         spent = [b - a for a, b in zip(machine, machine_after)]
         usage["steal"] = spent[7] / max(sum(spent), 1)

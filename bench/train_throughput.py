@@ -32,7 +32,8 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
 
 `--profile` adds, for the flaxchat modes, one step's kernels by kind (XLA:CPU trace; bench/profiling.py);
 `--cycles` where the process's CPU time goes over `--steps` steps by kind, with the user and system CPU
-time per step, its page faults and how busy the cores were (Linux perf samples; bench/cycles.py).
+time per step, its page faults, how busy the cores were and the host's steal (Linux perf samples;
+bench/cycles.py).
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def main(argv=None):
                    help="also print where a flaxchat step's time goes, kernel by kernel (XLA:CPU trace)")
     p.add_argument("--cycles", action="store_true",
                    help="also print where the process's CPU time goes over a flaxchat mode's steps, by kind "
-                        "(Linux perf samples: products, XLA's loops, page zeroing, malloc, ...) and how busy the cores were")
+                        "(Linux perf samples: products, XLA's loops, page zeroing, malloc, ...), how busy the cores were and the host's steal")
     args = p.parse_args(argv)
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
         from bench import profiling
