@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -78,6 +79,10 @@ while step < steps:
         fs.pipe(f"{ckpt}/{step}/commit_success.txt", b"")
     time.sleep(float(args.get("sleep", "0")))
 if pid == 0:
+    hold = args.get("hold-file")  # the final save and the marker can come well after worker 1 is done
+    deadline = time.time() + 60
+    while hold and not os.path.exists(hold) and time.time() < deadline:
+        time.sleep(0.05)
     fs.pipe(f"{run_dir}/COMPLETE", json.dumps({"step": step, "w": w}).encode())
 """
 
@@ -441,6 +446,23 @@ def test_wait_trusts_the_completion_marker_and_exit_codes_not_log_text(spod):
     spod.run(f"echo 'training complete, step 00004/00004 | loss 1.0'; true --run-dir={spod.run_dir}-other")
     result = spod.wait(timeout=60)
     assert not result.ok and "completion marker is missing" in result.error_value
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_finished_first_is_not_a_failure_while_worker_0_still_writes_the_marker(spod, tmp_path):
+    # Worker 1 exits 0 at once; worker 0 holds its COMPLETE marker until the test lets it go. The marker
+    # is only missing while worker 0 runs: wait once called that a failure (CI caught it as a race).
+    hold = tmp_path / "hold"
+    spod.run(standin(spod.run_dir, steps=2, **{"hold-file": hold}))
+    until(lambda: (spod.health()["workers"][1].get("state") == "exited"), what="worker 1 to finish")
+    assert spod.status().state == "running"
+    release = threading.Timer(3.0, hold.touch)  # while wait polls
+    release.start()
+    try:
+        result = spod.wait(timeout=60)
+    finally:
+        release.cancel()
+    assert (result.ok, result.state, result.exit_codes) == (True, "done", {0: 0, 1: 0}), result.error_value
 
 
 @pytest.mark.timeout(60)

@@ -559,8 +559,11 @@ class TPULauncher(RemoteRunner):
                 on_output("stdout", line + "\n")
             last_line = line
             state, why = self._final(ws)
-            failed_early = state == "failed" and any(w.get("state") in ("exited", "killed") for w in ws)
-            if not any(w.get("alive") for w in ws) or failed_early:
+            # A crash anywhere ends the wait at once; a missing marker only counts once nobody runs (worker 0
+            # writes it last, and the others often exit 0 before it does).
+            crashed = any(w.get("state") == "killed" or (w.get("state") == "exited" and w.get("exit_code") != 0)
+                          for w in ws)
+            if not any(w.get("alive") for w in ws) or (state == "failed" and crashed):
                 codes = {w["worker"]: w.get("exit_code") for w in ws if w.get("exit_code") is not None}
                 ok = state == "done"
                 return RunResult(state="done" if ok else "failed", ok=ok, stdout=line or "", exit_codes=codes,
