@@ -312,6 +312,24 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
                 mfu=100 * float(np.median(mfus)), peak=float(np.median(peaks)))
 
 
+def cpu_line() -> str:
+    """`cpu: <model name> (cpu family F, model M; its matrix flags)`, as every CPU bench prints it."""
+    import platform
+    info = {}  # the first "model name" and "flags" lines of /proc/cpuinfo (Linux)
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    cpu = info.get("model name") or platform.processor() or "unknown CPU"
+    flags = info.get("flags", "").split()
+    matrix_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    # Family and model tell apart CPU generations that share a name: an "AMD EPYC" of family 25,
+    # model 17 (Zen 4: AVX-512 on 256-bit units) read a 2048³ fp32 peak of 160-206 GFLOP/s on 2
+    # cores, where the "AMD EPYC" machines of earlier sittings (taken for Zen 5) read 430-510.
+    generation = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
+    return f"cpu: {cpu} ({'; '.join(filter(None, [generation, ', '.join(matrix_flags) or 'no AVX2/AVX-512/AMX flags seen']))})"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="A,B", help="comma-separated: A, B")
@@ -332,20 +350,7 @@ def main(argv=None):
         profiling.enable()
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1.")
-    import platform
-    info = {}  # the first "model name" and "flags" lines of /proc/cpuinfo (Linux)
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    cpu = info.get("model name") or platform.processor() or "unknown CPU"
-    flags = info.get("flags", "").split()
-    matrix_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    # Family and model tell apart CPU generations that share a name: an "AMD EPYC" of family 25,
-    # model 17 (Zen 4: AVX-512 on 256-bit units) read a 2048³ fp32 peak of 160-206 GFLOP/s on 2
-    # cores, where the "AMD EPYC" machines of earlier sittings (taken for Zen 5) read 430-510.
-    generation = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
-    print(f"cpu: {cpu} ({'; '.join(filter(None, [generation, ', '.join(matrix_flags) or 'no AVX2/AVX-512/AMX flags seen']))})")
+    print(cpu_line())
 
     probe = PeakProbe()
     peak = probe.sample()
