@@ -1,0 +1,29 @@
+"""Benchmarks: each prints its figures beside a baseline timed in the same run."""
+
+import argparse
+import time
+
+
+def interleaved(runs: dict, args: tuple, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each compiled function in `runs` on `args`, over `rounds` rounds that
+    alternate the order (forwards, then backwards): a shared host drifts, so no variant gets all
+    the quiet minutes."""
+    import jax
+    names = list(runs)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            jax.block_until_ready(runs[name](*args))
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def parse_rounds(argv, doc: str, default: int) -> argparse.Namespace:
+    """The command line of a bench whose one option is how many interleaved rounds to time."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=default, help="interleaved rounds, median reported (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1.")
+    return args

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import interleaved
 from flaxchat import ops
 
 # (B, T, heads, head_dim, window): a micro-batch of the main job / config A at 2K and 16K tokens
@@ -69,12 +69,7 @@ def time_variants(shape, rounds: int, names=tuple(VARIANTS), seed: int = 0) -> d
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(grads[name], ref))
         if err > 1e-4:
             raise RuntimeError(f"{name} disagrees with {names[0]}: relative error {err:.1e}")
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t = time.perf_counter()
-            jax.block_until_ready(runs[name](q, k, v))
-            times[name].append(time.perf_counter() - t)
+    times = interleaved(runs, (q, k, v), rounds)
     return times
 
 

@@ -15,13 +15,12 @@ paired difference:
 
 from __future__ import annotations
 
-import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import interleaved, parse_rounds
 from flaxchat import ops
 
 # (B, T, heads, head_dim): a micro-batch of config A (the main job) and of config B.
@@ -72,22 +71,12 @@ def time_pair(x_shape, ours, plain, rounds: int, seed: int = 0) -> dict[str, lis
         err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
         if err > 1e-5:
             raise RuntimeError(f"the hand-written op's {what} disagrees with autodiff's: relative error {err:.1e}")
-    times = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t = time.perf_counter()
-            jax.block_until_ready(runs[name](x, g))
-            times[name].append(time.perf_counter() - t)
+    times = interleaved(runs, (x, g), rounds)
     return times
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=300, help="interleaved rounds (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1.")
+    args = parse_rounds(argv, __doc__, 300)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; forward+backward, fp32, {args.rounds} rounds")
     for shape in SHAPES:
         for op, (x_shape, ours, plain) in variants(shape).items():

@@ -23,13 +23,13 @@ against the float64 product. The forms:
 
 from __future__ import annotations
 
-import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from bench import interleaved, parse_rounds
 
 # (m, k, n, what): config A's step at 2,048 tokens (d=256, MLP 1,024, vocab 4,096).
 SHAPES = [
@@ -88,23 +88,13 @@ def measure(m: int, k: int, n: int, rounds: int, forms=None, seed: int = 0) -> d
             print(f"  {name}: not run here ({str(e).splitlines()[0][:120]})")
             continue
         runs[name], errors[name] = run, float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
-    times = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t = time.perf_counter()
-            jax.block_until_ready(runs[name](a, b))
-            times[name].append(time.perf_counter() - t)
+    times = interleaved(runs, (a, b), rounds)
     flops = 2.0 * m * k * n
     return {name: (flops / np.median(times[name]) / 1e9, errors[name]) for name in runs}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=10, help="timed rounds per shape (median reported)")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1.")
+    args = parse_rounds(argv, __doc__, 10)
     from bench.train_throughput import cpu_line
     print(cpu_line())
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; GFLOP/s (median of {args.rounds} rounds) "
