@@ -151,6 +151,11 @@ def run_dir_of(command: str) -> str | None:
     return "runs/default" if "scripts.pretrain" in words else None  # pretrain's own default
 
 
+def _crashed(w: dict) -> bool:
+    """A worker whose command died: exited non-zero, or killed (no exit code was ever written)."""
+    return w.get("state") == "killed" or (w.get("state") == "exited" and w.get("exit_code") != 0)
+
+
 class TPULauncher(RemoteRunner):
     """A TPU VM (one worker) or pod slice (many), driven through gcloud. See the module docstring."""
 
@@ -478,7 +483,7 @@ class TPULauncher(RemoteRunner):
             return
         self.sleep(self.config.startup_check_s)
         for w in self._worker_status(n):
-            if w and w["state"] in ("exited", "killed") and w.get("exit_code") != 0:
+            if w and _crashed(w):
                 raise RemoteError(f"the command exited at once on worker {w['worker']} with code "
                                   f"{w.get('exit_code')}: {w.get('last_line') or '(no output)'}")
 
@@ -536,8 +541,7 @@ class TPULauncher(RemoteRunner):
     def _final(self, workers: list[dict]) -> tuple[str, str]:
         if not workers or all(w.get("state") == "none" for w in workers):
             return "idle", "nothing has run yet"
-        bad = [w for w in workers if not w.get("reachable", True) or w.get("state") == "killed"
-               or (w.get("state") == "exited" and w.get("exit_code") != 0)]
+        bad = [w for w in workers if not w.get("reachable", True) or _crashed(w)]
         if bad:
             return "failed", rec.health_problems("READY", bad, float("inf"))[0]
         if (self.remembered().get("run") or {}).get("marker") and not workers[0].get("complete"):
@@ -561,9 +565,7 @@ class TPULauncher(RemoteRunner):
             state, why = self._final(ws)
             # A crash anywhere ends the wait at once; a missing marker only counts once nobody runs (worker 0
             # writes it last, and the others often exit 0 before it does).
-            crashed = any(w.get("state") == "killed" or (w.get("state") == "exited" and w.get("exit_code") != 0)
-                          for w in ws)
-            if not any(w.get("alive") for w in ws) or (state == "failed" and crashed):
+            if not any(w.get("alive") for w in ws) or (state == "failed" and any(map(_crashed, ws))):
                 codes = {w["worker"]: w.get("exit_code") for w in ws if w.get("exit_code") is not None}
                 ok = state == "done"
                 return RunResult(state="done" if ok else "failed", ok=ok, stdout=line or "", exit_codes=codes,
