@@ -69,8 +69,7 @@ def time_variants(shape, rounds: int, names=tuple(VARIANTS), seed: int = 0) -> d
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(grads[name], ref))
         if err > 1e-4:
             raise RuntimeError(f"{name} disagrees with {names[0]}: relative error {err:.1e}")
-    times = interleaved(runs, (q, k, v), rounds)
-    return times
+    return interleaved(runs, (q, k, v), rounds)
 
 
 def main(argv=None):

@@ -15,7 +15,6 @@ paired difference:
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,8 +70,7 @@ def time_pair(x_shape, ours, plain, rounds: int, seed: int = 0) -> dict[str, lis
         err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
         if err > 1e-5:
             raise RuntimeError(f"the hand-written op's {what} disagrees with autodiff's: relative error {err:.1e}")
-    times = interleaved(runs, (x, g), rounds)
-    return times
+    return interleaved(runs, (x, g), rounds)
 
 
 def main(argv=None):
