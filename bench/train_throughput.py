@@ -58,7 +58,9 @@ from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimize
                             polar_express, uses_gram_form)
 from flaxchat.train import train_step
 
-CONFIGS = {
+CONFIGS = {  # A: the main job's shape (run_tinystories --depth=4); B: depth 8; S: a smoke size, seconds to compile
+    "S": dict(cfg=GPTConfig(sequence_len=128, vocab_size=1024, n_layer=2, n_head=2, n_kv_head=2, n_embd=128),
+              rows=4, micro_rows=2),
     "A": dict(cfg=GPTConfig(sequence_len=256, vocab_size=4096, n_layer=4, n_head=4, n_kv_head=4, n_embd=256),
               rows=8, micro_rows=4),
     "B": dict(cfg=GPTConfig(sequence_len=512, vocab_size=4096, n_layer=8, n_head=8, n_kv_head=8, n_embd=512),
@@ -332,7 +334,8 @@ def cpu_line() -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="A,B", help="comma-separated: A, B")
+    p.add_argument("--configs", default="A,B", help="comma-separated: A (the main job's shape), B (depth 8), S (a smoke "
+                                                      "size: does the bench run here)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
     p.add_argument("--attention", default="auto", help="attention kernel of the flaxchat modes (default: %(default)s)")
@@ -350,6 +353,9 @@ def main(argv=None):
         profiling.enable()
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1.")
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown config {unknown[0]!r}: choose from {', '.join(CONFIGS)}.")
     print(cpu_line())
 
     probe = PeakProbe()
@@ -403,8 +409,8 @@ def main(argv=None):
                 whole = ms.pop("whole")
                 print(f"{'':6}   fwd+bwd whole {whole:9.1f} ms  (a no-op optimizer; each line below: compiled without "
                       "that piece, timed interleaved)", flush=True)
-                for name, m in ms.items():
-                    print(f"{'':6}   without {name:20} {m:9.1f} ms  {m - whole:+8.1f} ms", flush=True)
+                for piece, m in ms.items():
+                    print(f"{'':6}   without {piece:20} {m:9.1f} ms  {m - whole:+8.1f} ms", flush=True)
     # The conservative reading: every row against the fastest peak any round of this run saw (a
     # neighbour's memory traffic slows the 2048³ product more than the model's cache-sized ones, so
     # a round's own peak can read low).

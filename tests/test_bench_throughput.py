@@ -1,9 +1,14 @@
-"""bench.train_throughput --phases: the step split runs and its parts add up to the measured step."""
+"""bench.train_throughput --phases: the step split runs and its parts add up to the measured step.
+
+The tests run the bench's smoke size, config S: the same real step, phases and ablations as A and
+B, with a quarter of A's compile time (the suite starts from a cold compilation cache)."""
 
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from bench import train_throughput
 
@@ -11,14 +16,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_phases_split_the_real_step(capsys):
-    train_throughput.main(["--configs", "A", "--modes", "flaxchat", "--steps", "1", "--phases"])
+    train_throughput.main(["--configs", "S", "--modes", "flaxchat", "--steps", "1", "--phases"])
     out = capsys.readouterr().out
     assert re.search(r"^cpu: \S", out, re.M), out
     names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16"
     phase = {m.group(1): float(m.group(2)) for m in re.finditer(rf"^\s+({names})\s+(-?[\d.]+) ms", out, re.M)}
     assert set(phase) == {"step", "fwd+bwd", "update", "muon-ns", "rest", "ns-fp32", "ns-bf16", "ns-bf16p"}, out
-    row = re.search(r"^A\s+flaxchat\s+2,048\s+[\d.]+\s+[\d,]+\s+([\d.]+)%\s+(\d+)", out, re.M)
-    best = re.search(r"^MFU against the best peak of this run \((\d+) GFLOP/s\): A flaxchat ([\d.]+)%", out, re.M)
+    row = re.search(r"^S\s+flaxchat\s+512\s+[\d.]+\s+[\d,]+\s+([\d.]+)%\s+(\d+)", out, re.M)
+    best = re.search(r"^MFU against the best peak of this run \((\d+) GFLOP/s\): S flaxchat ([\d.]+)%", out, re.M)
     assert row and best, out
     # The run's best peak is at least the rounds' median, so the conservative MFU is the lower one.
     assert int(best.group(1)) >= int(row.group(2)) and float(best.group(2)) <= float(row.group(1)) + 0.1, out
@@ -35,9 +40,9 @@ def test_phases_split_the_real_step(capsys):
 
 def test_profile_sums_the_real_steps_kernels():
     # A process of its own: the trace flag must be set before the CPU backend starts.
-    out = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--configs", "A", "--modes", "flaxchat",
+    out = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--configs", "S", "--modes", "flaxchat",
                           "--steps", "1", "--profile"], cwd=REPO, capture_output=True, text=True, timeout=240).stdout
-    m = re.search(r"profile of one flaxchat step of config A .*: ([\d,]+) us in (\d+) kernels, matrix products (\d+)%", out)
+    m = re.search(r"profile of one flaxchat step of config S .*: ([\d,]+) us in (\d+) kernels, matrix products (\d+)%", out)
     assert m, out
     assert int(m.group(2)) > 100 and int(m.group(3)) > 20, out  # a GPT step is hundreds of kernels, mostly matmuls
     rows = re.findall(r"^\s+\d+ us\s+[\d.]+%\s+\d+ x (\S+)", out, re.M)
@@ -55,8 +60,10 @@ def test_only_a_difference_of_two_medians_is_flagged_as_noise():
 def test_ablate_times_each_piece_away_and_restores_the_model(capsys):
     from flaxchat import ops
     before = {attr: getattr(ops, attr) for stand_ins in train_throughput.ABLATIONS.values() for attr in stand_ins}
-    train_throughput.main(["--configs", "A", "--modes", "flaxchat", "--steps", "1", "--ablate"])
+    # Two modes: the second mode's row must still name its config after the first mode's ablations.
+    train_throughput.main(["--configs", "S", "--modes", "flaxchat,flaxchat", "--steps", "1", "--ablate"])
     out = capsys.readouterr().out
+    assert len(re.findall(r"^S\s+flaxchat\s+512\s", out, re.M)) == 2, out
     whole = re.search(r"fwd\+bwd whole\s+([\d.]+) ms", out)
     assert whole and float(whole.group(1)) > 0, out
     for name in train_throughput.ABLATIONS:
@@ -79,8 +86,13 @@ def test_mfu_divides_each_step_by_the_peak_timed_beside_it():
             return 1e11
 
     probe = FixedPeak()
-    spec = train_throughput.CONFIGS["A"]
+    spec = train_throughput.CONFIGS["S"]
     r = train_throughput.run_mode(spec["cfg"], 2, 1, "muon", 3, probe=probe)
     assert probe.samples == [1e11] * 3  # one peak per timed step
     assert r["peak"] == 1e11
     assert abs(r["mfu"] - 100 * r["tok_s"] * r["flops_per_tok"] / 1e11) < 1e-6 * r["mfu"]
+
+
+def test_an_unknown_config_is_one_sentence():
+    with pytest.raises(SystemExit, match="unknown config 'C': choose from S, A, B"):
+        train_throughput.main(["--configs", "A,C"])
