@@ -17,11 +17,8 @@ from flaxchat.errors import UserError
 
 
 def _inputs(B, T, H, Hkv, D, dtype, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32)
-    k = jax.random.normal(ks[1], (B, T, Hkv, D), jnp.float32)
-    v = jax.random.normal(ks[2], (B, T, Hkv, D), jnp.float32)
-    ct = jax.random.normal(ks[3], (B, T, H, D), jnp.float32)
+    rng = np.random.default_rng(seed)  # not jax.random: a compile for each shape, ~2 s each on a cold cache
+    q, k, v, ct = (rng.standard_normal((B, T, h, D), np.float32) for h in (H, Hkv, Hkv, H))
     # Rounded to `dtype` first, so the fp32 reference sees the very numbers the kernel sees.
     return [x.astype(dtype) for x in (q, k, v)], ct
 
@@ -85,10 +82,13 @@ def test_short_sequences_tile_by_at_most_short_tile(monkeypatch):
     loops = ops._attention
     monkeypatch.setattr(ops, "_attention", lambda q, k, v, w, b: seen.append(("loops", b)) or loops(q, k, v, w, b))
     q = jnp.ones((1, 256, 2, 8))
-    ops.causal_attention(q, q, q, 128, block=128)
-    ops.causal_attention(q, q, q, 128, block=32)
+    # jitted (eagerly every op compiles on its own); a new function each call, so it is traced, and
+    # dispatches, under the patches of the moment
+    attend = lambda block: jax.jit(lambda q: ops.causal_attention(q, q, q, 128, block=block))(q)
+    attend(128)
+    attend(32)
     monkeypatch.setattr(ops, "SHORT_TOKENS", 128)
-    ops.causal_attention(q, q, q, 128, block=128)
+    attend(128)
     assert seen == [("short", ops.SHORT_TILE), ("short", 32), ("loops", 128)]
 
 
@@ -138,7 +138,8 @@ def test_model_kernels_agree():
     out = {}
     for name in ("blockwise", "xla"):
         model = GPT(dataclasses.replace(cfg, attention=name), rngs=nnx.Rngs(0))
-        out[name] = nnx.value_and_grad(lambda m: jnp.mean(m(idx) ** 2))(model)
+        # jitted: eagerly every op compiles as its own program (45 s on a cold compilation cache)
+        out[name] = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(idx) ** 2)))(model)
     np.testing.assert_allclose(out["blockwise"][0], out["xla"][0], rtol=1e-5)
     ga, gb = (jax.tree.leaves(nnx.state(g[1], nnx.Param)) for g in (out["blockwise"], out["xla"]))
     for a, b in zip(ga, gb):
@@ -202,13 +203,13 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from flaxchat import ops, sharding
 mesh = sharding.make_mesh(jax.devices(), "fsdp")
-ks = jax.random.split(jax.random.PRNGKey(0), 3)
-q = jax.random.normal(ks[0], (2, 128, 4, 32)); k, v = (jax.random.normal(x, (2, 128, 2, 32)) for x in ks[1:])
+rng = np.random.default_rng(0)  # numpy, and the reference jitted: jax.random and eager ops compile op by op
+q, k, v = (rng.standard_normal(s, np.float32) for s in [(2, 128, 4, 32), (2, 128, 2, 32), (2, 128, 2, 32)])
 rows = NamedSharding(mesh, P(sharding.BATCH))
 q, k, v = (jax.device_put(x, rows) for x in (q, k, v))
 with jax.set_mesh(mesh):
     got = jax.jit(lambda q, k, v: ops.splash_attention(q, k, v, 64, interpret=True))(q, k, v)
-want = ops.reference_attention(*(np.asarray(x) for x in (q, k, v)), 64)
+want = jax.jit(ops.reference_attention, static_argnums=3)(*(np.asarray(x) for x in (q, k, v)), 64)
 print("ERR", float(np.max(np.abs(np.asarray(got) - np.asarray(want)))), got.sharding.spec)
 """
 

@@ -17,49 +17,71 @@ TINY = GPTConfig(sequence_len=48, vocab_size=203, n_layer=3, n_head=4, n_kv_head
                  window_pattern="SL", attn_block=16)
 
 
+# The tests run the model and the kernels under jit: eagerly every op compiles as its own program,
+# minutes in all on a cold compilation cache (CI). A jitted function is made inside the test that
+# calls it, so it is traced there, under whatever that test has monkeypatched.
+
+def _normal(seed, *shapes):
+    """Standard-normal float32 arrays from numpy: jax.random compiles a program per shape (~2 s cold)."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, np.float32) for shape in shapes]
+
+
 def _nonzero_model(cfg, seed=0):
     """Zero-initialised output projections hide bugs (a layer that does nothing): randomise all."""
     model = GPT(cfg, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    noise = _normal(seed + 1, *(x.shape for x in leaves))
+    leaves = [jnp.asarray(np.asarray(x) + 0.05 * n) for x, n in zip(leaves, noise)]  # numpy: nothing to compile
     nnx.update(model, jax.tree.unflatten(treedef, leaves))
     return model
 
 
+def _forward():
+    """model(idx) as a jitted function: one compile per model config and input shape."""
+    return nnx.jit(lambda model, idx: model(idx))
+
+
+def _vjp(f, primals, ct):
+    """f(*primals) and the pullback of `ct` through f, as one program."""
+    def run(primals, ct):
+        out, pull = jax.vjp(f, *primals)
+        return out, pull(ct)
+    return jax.jit(run)(primals, ct)
+
+
 def test_shapes_and_padding():
     model = GPT(TINY, rngs=nnx.Rngs(0))
-    logits = model(jnp.zeros((2, 48), jnp.int32))
+    logits = _forward()(model, jnp.zeros((2, 48), jnp.int32))
     assert logits.shape == (2, 48, 203) and logits.dtype == jnp.float32
     assert model.wte.embedding.shape == (256, 64)  # vocab padded to a multiple of 64
-    assert float(jnp.max(jnp.abs(logits))) <= 15.0  # soft-cap
+    assert float(np.max(np.abs(logits))) <= 15.0  # soft-cap
 
 
 def test_causality_future_tokens_never_change_the_past():
-    model = _nonzero_model(TINY)
+    model, forward = _nonzero_model(TINY), _forward()  # one compile for all four inputs
     rng = np.random.default_rng(0)
     idx = jnp.asarray(rng.integers(0, 203, (1, 48)), jnp.int32)
-    base = model(idx)
+    base = np.asarray(forward(model, idx))  # sliced in numpy: a jax slice of each size compiles
     for t in (5, 17, 40):
         changed = idx.at[0, t].set((idx[0, t] + 7) % 203)
-        out = model(changed)
-        np.testing.assert_array_equal(np.asarray(out[0, :t]), np.asarray(base[0, :t]))
+        out = np.asarray(forward(model, changed))
+        np.testing.assert_array_equal(out[0, :t], base[0, :t])
         assert not np.allclose(out[0, t:], base[0, t:])
 
 
 @pytest.mark.parametrize("window,T,block", [(16, 48, 16), (32, 48, 16), (48, 48, 16), (20, 40, 8), (64, 50, 16)])
 def test_blockwise_attention_equals_dense_reference(window, T, block):
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(k1, (2, T, 4, 8))
-    k = jax.random.normal(k2, (2, T, 2, 8))  # GQA: 2 kv heads for 4 query heads
-    v = jax.random.normal(k3, (2, T, 2, 8))
-    got = ops.causal_attention(q, k, v, window=window, block=block)
-    want = ops.reference_attention(q, k, v, window=window)
+    q, k, v = _normal(0, (2, T, 4, 8), (2, T, 2, 8), (2, T, 2, 8))  # GQA: 2 kv heads for 4 query heads
+
+    def out_and_grad(f):  # f(q, k, v) and the gradient of its sum in q, as one program
+        return jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(lambda q: f(q, k, v).sum())(q)))(q, k, v)
+
+    got, g_got = out_and_grad(lambda q, k, v: ops.causal_attention(q, k, v, window, block))
+    want, g_want = out_and_grad(lambda q, k, v: ops.reference_attention(q, k, v, window))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # and the gradients agree too
-    g_got = jax.grad(lambda q: ops.causal_attention(q, k, v, window, block).sum())(q)
-    g_want = jax.grad(lambda q: ops.reference_attention(q, k, v, window).sum())(q)
     np.testing.assert_allclose(g_got, g_want, rtol=1e-4, atol=1e-4)
 
 
@@ -78,16 +100,19 @@ def test_sliding_window_limits_what_a_layer_sees():
             seen["window"], seen["y"] = window, y
         return y
 
+    @nnx.jit
+    def layer0(model, idx):  # layer 0's output; its window is recorded while tracing (the first call)
+        model(idx, attend=attend)
+        return seen["y"]
+
     idx = jnp.asarray(np.random.default_rng(2).integers(0, 203, (1, 48)), jnp.int32)
-    model(idx, attend=attend)
-    base, W = seen["y"], seen["window"]
+    base, W = np.asarray(layer0(model, idx)), seen["window"]
     assert W == 16
     p = 5  # smear mixes token p into position p+1, so keys p and p+1 carry the change
-    model(idx.at[0, p].set((idx[0, p] + 11) % 203), attend=attend)
-    changed = seen["y"]
-    np.testing.assert_array_equal(np.asarray(changed[0, p + 1 + W:]), np.asarray(base[0, p + 1 + W:]))
+    changed = np.asarray(layer0(model, idx.at[0, p].set((idx[0, p] + 11) % 203)))
+    np.testing.assert_array_equal(changed[0, p + 1 + W:], base[0, p + 1 + W:])
     assert not np.allclose(changed[0, p + W - 1], base[0, p + W - 1])  # key p is just inside the window
-    np.testing.assert_array_equal(np.asarray(changed[0, :p]), np.asarray(base[0, :p]))
+    np.testing.assert_array_equal(changed[0, :p], base[0, :p])
 
 
 # --- gradients: the hand-written VJPs against autodiff of the plain ops -------------------------
@@ -99,16 +124,10 @@ def _rel_err(got, want):
 
 @pytest.mark.parametrize("window,T,block", [(16, 48, 16), (48, 48, 16), (20, 40, 8)])
 def test_attention_vjp_dq_dk_dv_equal_autodiff_fp32_and_bf16(window, T, block):
-    ks = jax.random.split(jax.random.key(3), 4)
-    q = jax.random.normal(ks[0], (2, T, 4, 8))
-    k = jax.random.normal(ks[1], (2, T, 2, 8))
-    v = jax.random.normal(ks[2], (2, T, 2, 8))
-    ct = jax.random.normal(ks[3], (2, T, 4, 8))  # a random cotangent, not all ones
+    q, k, v, ct = _normal(3, (2, T, 4, 8), (2, T, 2, 8), (2, T, 2, 8), (2, T, 4, 8))  # ct: not all ones
 
     def vjp(f, dtype):
-        args = [a.astype(dtype) for a in (q, k, v)]
-        _, pull = jax.vjp(lambda *a: f(*a), *args)
-        return pull(ct.astype(dtype))
+        return _vjp(f, [a.astype(dtype) for a in (q, k, v)], ct.astype(dtype))[1]
 
     custom = lambda q, k, v: ops.causal_attention(q, k, v, window=window, block=block)
     plain = lambda q, k, v: ops.reference_attention(q, k, v, window=window)
@@ -123,14 +142,11 @@ def test_attention_vjp_dq_dk_dv_equal_autodiff_fp32_and_bf16(window, T, block):
 
 @pytest.mark.parametrize("n_in,n_out", [(64, 96), (96, 64), (64, 64)])  # widens, narrows (g transposed), square
 def test_matmul_vjp_equals_autodiff_fp32_and_bf16(n_in, n_out):
-    ks = jax.random.split(jax.random.key(4), 3)
-    x = jax.random.normal(ks[0], (2, 24, n_in))
-    w = jax.random.normal(ks[1], (n_in, n_out)) * 0.1
-    ct = jax.random.normal(ks[2], (2, 24, n_out))
+    x, w, ct = _normal(4, (2, 24, n_in), (n_in, n_out), (2, 24, n_out))
+    w = w * 0.1
 
     def vjp(f, dtype):
-        _, pull = jax.vjp(f, x.astype(dtype), w.astype(dtype))
-        return pull(ct.astype(dtype))
+        return _vjp(f, (x.astype(dtype), w.astype(dtype)), ct.astype(dtype))[1]
 
     exact = vjp(lambda a, b: a @ b, jnp.float32)
     for got, want in zip(vjp(ops.matmul, jnp.float32), exact):
@@ -143,20 +159,27 @@ def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient(
     """The fused loss (on CPU its own backward from the raw logits) against autodiff of optax's
     cross-entropy on cap·tanh(z/cap), with logits big enough that the cap bends them."""
     import optax
-    ks = jax.random.split(jax.random.key(7), 3)
-    z = jax.random.normal(ks[0], (3, 7, 50)) * 20
-    labels = jax.random.randint(ks[1], (3, 7), 0, 50)
-    w = jax.random.uniform(ks[2], (3, 7))  # a weighted sum, so each row's cotangent differs
+    rng = np.random.default_rng(7)
+    z = rng.standard_normal((3, 7, 50), np.float32) * 20
+    labels = rng.integers(0, 50, (3, 7), np.int32)
+    w = rng.random((3, 7), np.float32)  # a weighted sum, so each row's cotangent differs
     cap = 15.0
     fused = lambda z: jnp.sum(w * ops.softcap_cross_entropy(z, labels, cap))
     plain = lambda z: jnp.sum(w * optax.softmax_cross_entropy_with_integer_labels(cap * jnp.tanh(z / cap), labels))
+
+    def value_and_grad(f):  # f(z) and its gradient as one program, traced under what is patched now
+        return jax.jit(lambda z: (f(z), jax.grad(f)(z)))(z)
+
     assert ops._on_cpu()  # the hand-written backward is what runs here
-    assert _rel_err(fused(z), plain(z)) < 1e-6
-    assert _rel_err(jax.grad(fused)(z), jax.grad(plain)(z)) < 1e-5
+    want, want_grad = value_and_grad(plain)  # no ops in it: the same with and without the patch
+    got, got_grad = value_and_grad(fused)
+    assert _rel_err(got, want) < 1e-6
+    assert _rel_err(got_grad, want_grad) < 1e-5
     monkeypatch.setattr(ops, "_on_cpu", lambda: False)  # what TPU and GPU run: the forward under autodiff
-    assert ops.softcap_cross_entropy(z, labels, cap).shape == labels.shape
-    assert _rel_err(fused(z), plain(z)) < 1e-6
-    assert _rel_err(jax.grad(fused)(z), jax.grad(plain)(z)) < 1e-5
+    assert jax.jit(lambda z: ops.softcap_cross_entropy(z, labels, cap))(z).shape == labels.shape
+    got, got_grad = value_and_grad(fused)
+    assert _rel_err(got, want) < 1e-6
+    assert _rel_err(got_grad, want_grad) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -165,22 +188,21 @@ def test_rotary_rms_norm_with_its_own_backward_equals_autodiff(dtype):
     per row) against autodiff of rms_norm(rotary(x)) * scale: fp32 to float rounding; bf16 no
     further from the fp32 result than autodiff in bf16 is."""
     assert ops._on_cpu()  # the hand-written backward is what runs here
-    ks = jax.random.split(jax.random.key(3), 3)
-    x = (jax.random.normal(ks[0], (2, 24, 3, 16)) * 3).astype(dtype)
-    g = jax.random.normal(ks[1], x.shape).astype(dtype)  # a cotangent that differs per element
+    x, g = _normal(3, (2, 24, 3, 16), (2, 24, 3, 16))  # g: a cotangent that differs per element
+    x, g = (x * 3).astype(dtype), g.astype(dtype)
     table = ops.rotary_table(np.arange(24), 16, 100.0, dtype)
     ours = lambda x: ops.rotary_rms_norm(x, table, 1.2)
     plain = lambda x: ops.rms_norm(ops.rotary(x, table)) * 1.2
-    (y, vjp), (y_plain, vjp_plain) = jax.vjp(ours, x), jax.vjp(plain, x)
+    (y, (dx,)), (y_plain, (dx_plain,)) = _vjp(ours, (x,), g), _vjp(plain, (x,), g)
     table32 = ops.rotary_table(np.arange(24), 16, 100.0, jnp.float32)
-    y_exact, vjp_exact = jax.vjp(lambda x: ops.rms_norm(ops.rotary(x, table32)) * 1.2, x.astype(jnp.float32))
-    exact = vjp_exact(g.astype(jnp.float32))[0]
+    y_exact, (exact,) = _vjp(lambda x: ops.rms_norm(ops.rotary(x, table32)) * 1.2, (x.astype(jnp.float32),),
+                             g.astype(jnp.float32))
     if dtype == jnp.float32:
-        assert _rel_err(y, y_plain) < 1e-6 and _rel_err(vjp(g)[0], vjp_plain(g)[0]) < 1e-6
+        assert _rel_err(y, y_plain) < 1e-6 and _rel_err(dx, dx_plain) < 1e-6
     else:
         assert _rel_err(y, y_exact) <= 1.25 * _rel_err(y_plain, y_exact) + 1e-3
-        assert _rel_err(vjp(g)[0], exact) <= 1.25 * _rel_err(vjp_plain(g)[0], exact) + 1e-3
-    assert _rel_err(vjp(g)[0], exact) > 0  # the two backwards are different programs
+        assert _rel_err(dx, exact) <= 1.25 * _rel_err(dx_plain, exact) + 1e-3
+    assert _rel_err(dx, exact) > 0  # the two backwards are different programs
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -201,7 +223,7 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
             if plain:
                 return jnp.mean(_plain_losses(m, x, y))
             return jnp.mean(token_losses(m, x, y))
-        return jax.grad(loss)(params)
+        return jax.jit(jax.grad(loss))(params)  # traced here: under the patches where they are on
 
     def _plain_losses(m, x, y):
         import optax
@@ -226,13 +248,13 @@ def test_gates_start_as_nanochats():
     from flaxchat.gpt import scaling_param_count
     cfg = config_for_depth(4, vocab_size=512, sequence_len=64)
     model = GPT(cfg, rngs=nnx.Rngs(0))
-    gate = model.blocks[cfg.n_layer - 1].attn.ve_gate.kernel[...]
+    gate = np.asarray(model.blocks[cfg.n_layer - 1].attn.ve_gate.kernel[...])
     assert (cfg.ve_gate_channels, cfg.ve_gate_scale) == (12, 3.0) and gate.shape == (12, cfg.n_kv_head)
     # a checkpoint written before the gate fields existed had 32 channels and 2·sigmoid: it still loads
     old = {k: v for k, v in cfg.to_dict().items() if not k.startswith("ve_gate")}
     assert (GPTConfig.from_dict(old).ve_gate_channels, GPTConfig.from_dict(old).ve_gate_scale) == (32, 2.0)
     assert GPTConfig.from_dict(cfg.to_dict()) == cfg
-    smear = model.smear_gate.kernel[...]
+    smear = np.asarray(model.smear_gate.kernel[...])
     for w in (gate, smear):
         assert float(w.min()) >= 0.0 and float(w.max()) <= 0.02 and float(w.std()) > 0.002
     # the horizon counts the blocks (matrices and gates) and the LM head, as nanochat
@@ -242,28 +264,26 @@ def test_gates_start_as_nanochats():
 
 
 def test_gqa_matches_repeated_kv_heads():
-    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(k1, (1, 32, 6, 8))
-    k = jax.random.normal(k2, (1, 32, 2, 8))
-    v = jax.random.normal(k3, (1, 32, 2, 8))
-    gqa = ops.causal_attention(q, k, v, window=32, block=16)
-    mha = ops.causal_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), window=32, block=16)
+    q, k, v = _normal(1, (1, 32, 6, 8), (1, 32, 2, 8), (1, 32, 2, 8))
+    attend = jax.jit(lambda q, k, v: ops.causal_attention(q, k, v, window=32, block=16))
+    gqa = attend(q, k, v)
+    mha = attend(q, np.repeat(k, 3, axis=2), np.repeat(v, 3, axis=2))
     np.testing.assert_allclose(gqa, mha, rtol=1e-5, atol=1e-6)
 
 
 def test_forward_is_deterministic_and_remat_is_exact():
-    model = _nonzero_model(TINY)
+    model, forward = _nonzero_model(TINY), _forward()
     idx = jnp.asarray(np.random.default_rng(1).integers(0, 203, (2, 48)), jnp.int32)
-    a, b = model(idx), model(idx)
+    a, b = forward(model, idx), forward(model, idx)
     np.testing.assert_array_equal(a, b)
     remat = _nonzero_model(dataclasses.replace(TINY, grad_checkpoint=True))
-    np.testing.assert_allclose(remat(idx), a, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(forward(remat, idx), a, rtol=1e-6, atol=1e-6)
 
 
 def test_tied_embeddings_have_no_head():
     model = GPT(dataclasses.replace(TINY, tie_embeddings=True), rngs=nnx.Rngs(0))
     assert model.lm_head is None
-    assert model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 203)
+    assert _forward()(model, jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 203)
 
 
 def test_depth_preset_and_flops():
