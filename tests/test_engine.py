@@ -44,7 +44,8 @@ def nonzero_model(cfg=TINY, seed=0, base=None, noise=0.0):
     for i, (path, leaf) in enumerate(leaves):
         name = jax.tree_util.keystr(path)
         if base_leaves is not None:
-            x = np.asarray(base_leaves[i]) + noise * rng.standard_normal(leaf.shape) * np.std(base_leaves[i])
+            b = np.asarray(base_leaves[i])  # numpy's std: np.std of a jax array runs jax's, compiled per shape
+            x = b + noise * rng.standard_normal(leaf.shape) * b.std()
         elif len(leaf.shape) == 2:
             x = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[0] if "embedding" not in name else 1)
         else:

@@ -60,10 +60,11 @@ _forward = nnx.jit(lambda m, x: m(x))
 
 def one_row_logits(model, seq):
     """Logits (len(seq), V) of one row alone, at the full context length (an eager forward at
-    each exact length would compile every op per length: minutes here)."""
+    each exact length would compile every op per length: minutes here). Cropped in numpy: slicing
+    the jax array would compile a slice per length."""
     buf = np.zeros((1, T), np.int32)
     buf[0, :len(seq)] = seq
-    return np.asarray(_forward(model, jnp.asarray(buf))[0, :len(seq)], np.float64)
+    return np.asarray(_forward(model, jnp.asarray(buf)))[0, :len(seq)].astype(np.float64)
 
 
 def reference_losses(model, tokenizer, ex):

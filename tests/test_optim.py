@@ -139,13 +139,14 @@ def test_muon_update_equals_nanochats_algorithm(shape, kind):
     sched = Schedule(total_steps=100, warmup_steps=0)
     lr, wd = 0.5, 0.3  # an O(1) update, so that 1e-5 is a tight bound on it
     tx = muon(lr, sched, weight_decay=wd)
+    update = jax.jit(tx.update)  # one compile for the three steps; eagerly every op compiles on its own
     P = rng.normal(size=(m, n)) * 0.05
     params = {"w": jnp.asarray(P.T, jnp.float32)}
     state = tx.init(params)
     M, V = np.zeros((m, n)), np.zeros((m, 1) if m >= n else (1, n))
     for step in range(3):  # the momentum and second-moment buffers take part from step 1 on
         G = _low_rank_uneven(rng, m, n) if kind == "low-rank" else rng.normal(size=(m, n))
-        updates, state = tx.update({"w": jnp.asarray(G.T, jnp.float32)}, state, params)
+        updates, state = update({"w": jnp.asarray(G.T, jnp.float32)}, state, params)
         P_new, M, V = nanochat_muon_step(G, P, M, V, nanochat_momentum(step, 100),
                                          lr * nanochat_lr(step, 100, warmup=0), wd * nanochat_weight_decay(step, 100), 0.9)
         np.testing.assert_allclose(np.asarray(updates["w"]).T, P_new - P, atol=1e-5, rtol=0)
@@ -166,18 +167,35 @@ def test_scaling_follows_nanochats_rules():
     assert fixed.total_batch_size == 2048 and fixed.batch_lr_scale == pytest.approx((2048 / 2 ** 19) ** 0.5)
 
 
+# The two tests below step the whole optimizer with all-ones gradients through one jitted update.
+# Eagerly every op of Muon and AdamW compiles on its own (~15 s from a cold compile cache); jitted,
+# the update compiles once (~7 s) for both, as they share one optimizer: the stage LR fraction 0.01
+# and a one-step schedule warmed down to 0, whose LR multiplier is 1 at step 0 and 0 at step 1.
+ONES_TX = build_optimizer(OptimConfig(n_embd=32, lr_frac=0.01),
+                          Schedule(total_steps=1, warmup_steps=0, warmdown_ratio=1.0, final_lr_frac=0.0))
+
+
+@nnx.jit
+def step_with_ones(opt, model):
+    opt.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+
+
+def params_now(model):
+    """The model's parameters as host copies (numpy)."""
+    return jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
 def test_every_group_follows_the_stage_lr_fraction():
     """The smear/backout group was fixed at LR 0.2 whatever the stage's fraction: with lr_frac 0.01
     its first step (Adam: lr x sign) moved smear_lambda by 0.2."""
     model = GPT(CFG, rngs=nnx.Rngs(0))
-    sched = Schedule(total_steps=10, warmup_steps=0)
-    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, lr_frac=0.01), sched), wrt=nnx.Param)
-    before = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    opt.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
-    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    moved = float(jnp.abs(after["smear_lambda"] - before["smear_lambda"]).max())
+    opt = nnx.Optimizer(model, ONES_TX, wrt=nnx.Param)
+    before = params_now(model)
+    step_with_ones(opt, model)  # step 0: LR multiplier 1
+    after = params_now(model)
+    moved = float(np.abs(after["smear_lambda"] - before["smear_lambda"]).max())
     assert moved == pytest.approx(0.2 * 0.01, rel=1e-3)
-    x0 = float(jnp.abs(after["x0_lambdas"] - before["x0_lambdas"]).max())
+    x0 = float(np.abs(after["x0_lambdas"] - before["x0_lambdas"]).max())
     assert x0 == pytest.approx(0.5 * 0.01, rel=1e-3)
 
 
@@ -193,15 +211,12 @@ def test_polar_express_orthogonalises(shape):
 def test_lr_schedule_reaches_every_group():
     """At lr multiplier 0 (end of warmdown to 0) no group may move its parameters."""
     model = GPT(CFG, rngs=nnx.Rngs(0))
-    sched = Schedule(total_steps=1, warmup_steps=0, warmdown_ratio=1.0, final_lr_frac=0.0)
     # step 0 of a 1-step run with full warmdown: multiplier = (1 - 0)/1 = 1; advance the count first.
-    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, depth=2), sched), wrt=nnx.Param)
-    params = nnx.state(model, nnx.Param)
-    grads = jax.tree.map(jnp.ones_like, params)
-    opt.update(model, grads)  # step 0: moves
-    before = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    opt.update(model, grads)  # step 1 >= total: multiplier 0 for every group, Muon included
-    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    opt = nnx.Optimizer(model, ONES_TX, wrt=nnx.Param)
+    step_with_ones(opt, model)  # step 0: moves
+    before = params_now(model)
+    step_with_ones(opt, model)  # step 1 >= total: multiplier 0 for every group, Muon included
+    after = params_now(model)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before, after)
 
 
@@ -211,7 +226,9 @@ def test_a_few_steps_lower_the_loss(which):
     model = GPT(CFG, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, build_optimizer(OptimConfig(optimizer=which, n_embd=32, depth=2), Schedule(30)),
                         wrt=nnx.Param)
-    x = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 2, 32)), jnp.int32)
+    # test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence's batch: with the same Muon,
+    # it takes this train step's compiled program from the cache (~10 s to compile from a cold one).
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 2, 32)), jnp.int32)
     y = jnp.roll(x, -1, -1)
     losses = [float(train_step(model, opt, x, y)) for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5, losses
