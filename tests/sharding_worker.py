@@ -27,9 +27,8 @@ def one_step(layout: str):
     # first step (g/|g|) turns float noise into sign flips, which says nothing about sharding.
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
-    rng = np.random.default_rng(1)  # numpy: jax.random would compile a program per shape
-    nnx.update(model, jax.tree.unflatten(treedef, [np.asarray(x) + 0.05 * rng.standard_normal(x.shape, np.float32)
-                                                   for x in leaves]))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
     opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=64, depth=2), Schedule(10)), wrt=nnx.Param)
     sharding.shard_model_and_optimizer(model, opt, compute.mesh)
     rows = 2 * compute.device_count
