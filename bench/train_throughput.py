@@ -3,6 +3,7 @@
     python -m bench.train_throughput                 # configs A and B, all modes (~5 min on 2 cores)
     python -m bench.train_throughput --configs A --steps 5
     python -m bench.train_throughput --configs A --modes flaxchat --phases --profile
+    python -m bench.train_throughput --configs S --steps 1 --phases    # a smoke size: does the bench run here
 
 Peak = a jitted fp32 2048³ matmul, timed here beside every measured step (a shared host drifts).
 MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak (the plain formula, full T for every layer), per
