@@ -168,7 +168,7 @@ def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient(
     plain = lambda z: jnp.sum(w * optax.softmax_cross_entropy_with_integer_labels(cap * jnp.tanh(z / cap), labels))
 
     def value_and_grad(f):  # f(z) and its gradient as one program, traced under what is patched now
-        return jax.jit(lambda z: (f(z), jax.grad(f)(z)))(z)
+        return jax.jit(jax.value_and_grad(f))(z)
 
     assert ops._on_cpu()  # the hand-written backward is what runs here
     want, want_grad = value_and_grad(plain)  # no ops in it: the same with and without the patch
