@@ -95,12 +95,16 @@ def test_seed_sequence_keeps_the_kernels_jax_and_plugin(seeded, server, venv):
 
 @pytest.mark.timeout(30)
 def test_setup_report_names_what_is_missing_offline():
-    versions = {"jax": "0.5.2", "jaxlib": "0.5.2", "flax": "0.12.8", "tqdm": "4.60.0"}
+    versions = {"jax": "0.5.2", "jaxlib": "0.5.2", "ml-dtypes": "0.5.1", "flax": "0.12.8", "tqdm": "4.60.0"}
     keep = kernel_side.kept(versions)
-    assert keep == {"jax": "0.5.2", "jaxlib": "0.5.2"}
-    reqs = ["jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8", "tqdm>=4.66,<5", "rustbpe==0.1.0",
+    assert keep == {"jax": "0.5.2", "jaxlib": "0.5.2", "ml-dtypes": "0.5.1"}  # the image's jax with its dtypes
+    reqs = ["jax==0.10.2", "jaxlib==0.10.2", "ml_dtypes==0.6.0", "flax==0.12.8", "tqdm>=4.66,<5", "rustbpe==0.1.0",
             "pywin32; sys_platform == 'win32'"]
     assert kernel_side.unsatisfied(reqs, versions, keep) == ["tqdm>=4.66,<5", "rustbpe==0.1.0"]
+    # Without a jax of its own the image's ml_dtypes (TensorFlow's, say) is not kept: ours comes with our jax.
+    no_jax = {"ml-dtypes": "0.4.1", "tqdm": "4.67.0"}
+    assert kernel_side.kept(no_jax) == {}
+    assert kernel_side.unsatisfied(reqs, no_jax, {}) == [r for r in reqs if r.startswith(("jax", "ml_", "flax", "rust"))]
     assert "Internet" in kernel_side.OFFLINE_HINT and "Settings" in kernel_side.OFFLINE_HINT
 
 

@@ -38,6 +38,8 @@ import urllib.request
 # What the image brought for its accelerator and must survive setup() (names as pip normalises them).
 KEEP = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
         "jax-rocm60-plugin", "jax-rocm60-pjrt", "libtpu", "libtpu-nightly")
+# jax's own dtype library: kept beside the image's jax (which was built against it), not without it.
+WITH_JAX = ("ml-dtypes",)
 DEFAULT_INDEX = "https://pypi.org/simple/"
 
 
@@ -57,7 +59,8 @@ def installed_versions() -> dict[str, str]:
 
 
 def kept(versions: dict[str, str]) -> dict[str, str]:
-    return {name: versions[name] for name in KEEP if name in versions}
+    names = KEEP + (WITH_JAX if "jax" in versions else ())
+    return {name: versions[name] for name in names if name in versions}
 
 
 def _requirement_cls():
