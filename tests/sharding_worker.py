@@ -22,15 +22,22 @@ CFG = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=4, n_kv_head=
 def one_step(layout: str):
     compute = compute_init("float32", layout)
     jax.set_mesh(compute.mesh)
-    model = GPT(CFG, rngs=nnx.Rngs(0))
-    # Non-zero output projections: with zero-initialised ones some gradients are ~0 and Adam's
-    # first step (g/|g|) turns float noise into sign flips, which says nothing about sharding.
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
-    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=64, depth=2), Schedule(10)), wrt=nnx.Param)
-    sharding.shard_model_and_optimizer(model, opt, compute.mesh)
+
+    def make_model():
+        model = GPT(CFG, rngs=nnx.Rngs(0))
+        # Non-zero output projections: with zero-initialised ones some gradients are ~0 and Adam's
+        # first step (g/|g|) turns float noise into sign flips, which says nothing about sharding.
+        state = nnx.state(model, nnx.Param)
+        leaves, treedef = jax.tree.flatten(state)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        nnx.update(model, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
+                                                       for x, k in zip(leaves, keys)]))
+        return model
+
+    # As the stages create their state: one jitted initialiser, every array born on the mesh.
+    model, opt = sharding.create_sharded(
+        make_model, lambda m: nnx.Optimizer(m, build_optimizer(OptimConfig(n_embd=64, depth=2), Schedule(10)),
+                                            wrt=nnx.Param), compute.mesh)
     rows = 2 * compute.device_count
     data = np.random.default_rng(0).integers(0, 256, (2, rows, 33)).astype(np.int32)
     per_proc = rows // compute.process_count
