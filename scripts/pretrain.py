@@ -337,7 +337,8 @@ def _run(tc: TrainConfig) -> dict:
                    train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=paths.absolute(tc.run_dir))
 
     def report():  # process 0, before COMPLETE
-        print0("\n--- sampled stories ---")
+        if samples:
+            print0("\n--- sampled stories ---")
         for s in samples:
             print0(s + "\n")
         paths.write_text(paths.join(tc.run_dir, "samples.txt"), "\n\n".join(samples) + "\n")

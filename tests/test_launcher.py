@@ -818,7 +818,8 @@ def test_launcher_imports_no_jax_and_never_asks_for_the_emulator():
 
 def _pretrain(run_dir):
     from tests.test_multihost import TINY  # the same model and schedule: the compiled step is cached once
-    return f"python -m scripts.pretrain --run-dir={run_dir} {' '.join(TINY)}"
+    # No stories at the end: test_multihost samples across processes; here they would only add a compile.
+    return f"python -m scripts.pretrain --run-dir={run_dir} {' '.join(TINY)} --num-samples=0"
 
 
 def _worker_logs(name=NAME) -> str:
@@ -884,7 +885,7 @@ def test_pod_rehearsal_preempted_mid_training_resumes_from_the_bucket_to_the_sam
     logs = []
     lc.say = logs.append
     result = lc.recover(cmd, env=env, local_repo_path=REPO, timeout=300,
-                        policy=rec.Policy(poll_s=1.0, backoff_s=1.0, heartbeat_deadline_s=240))
+                        policy=rec.Policy(poll_s=3.0, backoff_s=1.0, heartbeat_deadline_s=240))
     text = "\n".join(logs)
     assert result.ok, text
     assert "recreate: the VM is PREEMPTED" in text and "installing on 2 worker(s)" in text
