@@ -144,12 +144,6 @@ def placements(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh):
         yield var, NamedSharding(mesh, spec)
 
 
-def shard_model_and_optimizer(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mesh) -> None:
-    """Place parameters and optimizer state on the mesh by the rules (see `placements`)."""
-    for var, where in list(placements(model, optimizer, mesh)):
-        var.set_value(place_identical(var.get_value(), where))
-
-
 def create_sharded(make_model, make_optimizer, mesh: Mesh):
     """(model, optimizer) from their constructors, every array born on `mesh` by the rules.
 
