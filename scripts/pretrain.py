@@ -337,11 +337,11 @@ def _run(tc: TrainConfig) -> dict:
                    train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=paths.absolute(tc.run_dir))
 
     def report():  # process 0, before COMPLETE
-        if samples:
+        if samples:  # --num-samples=0: no stories, so no samples.txt and no Samples section
             print0("\n--- sampled stories ---")
-        for s in samples:
-            print0(s + "\n")
-        paths.write_text(paths.join(tc.run_dir, "samples.txt"), "\n\n".join(samples) + "\n")
+            for s in samples:
+                print0(s + "\n")
+            paths.write_text(paths.join(tc.run_dir, "samples.txt"), "\n\n".join(samples) + "\n")
         entries = metrics.read()
         png = plot_losses(entries, paths.join(tc.run_dir, "loss.png"), f"depth {tc.depth} on {train_src.name}")
         write_report(paths.join(tc.run_dir, "report.md"), title=f"flaxchat pretraining: depth {tc.depth}", sections=[
@@ -351,7 +351,7 @@ def _run(tc: TrainConfig) -> dict:
                      "val bpb": f"{last_bpb:.4f}" if last_bpb else "-", "compile": f"{compile_s or 0:.1f}s",
                      "training time": fmt_duration(train_seconds), "peak RSS": f"{peak_rss_mb():.0f} MB"}),
             ("Loss curve", "![loss](loss.png)" if png else "(no steps logged)"),
-            ("Samples", [s.replace("\n", " ") for s in samples]),
+            *([("Samples", [s.replace("\n", " ") for s in samples])] if samples else []),
             ("Config", model_cfg.to_dict()),
         ])
 

@@ -896,4 +896,7 @@ def test_pod_rehearsal_preempted_mid_training_resumes_from_the_bucket_to_the_sam
     assert not any(x.startswith("[w1] resumed") for x in lines)  # only process 0 prints
     assert json.load(open(bucket(run_dir + "/COMPLETE")))["step"] == steps
     assert _committed(ckpt)[-1] == steps
+    # --num-samples=0: no stories, so no samples.txt and no empty Samples section in the report
+    assert not os.path.exists(bucket(run_dir + "/samples.txt"))
+    assert "## Samples" not in open(bucket(run_dir + "/report.md")).read()
     print(compare_params(ref_dir, bucket(run_dir), 2))  # rtol 1e-6 on every array
