@@ -196,6 +196,18 @@ class TrainConfig:
             raise UserError("--warmup-steps must be 0 or more, and --warmdown-ratio and --final-lr-frac between 0 and 1.")
         if self.depth <= 0:
             raise UserError(f"--depth must be at least 1 (got {self.depth}).")
+        if self.steps == 0 or self.steps < -1:
+            raise UserError(f"--steps must be positive, or -1 to derive them from --param-data-ratio (got {self.steps}).")
+        if self.total_batch_size == 0 or self.total_batch_size < -1:
+            raise UserError("--total-batch-size must be positive, or -1 for nanochat's automatic size "
+                            f"(got {self.total_batch_size}).")
+        if self.param_data_ratio <= 0:
+            raise UserError(f"--param-data-ratio must be positive (got {self.param_data_ratio}).")
+        if self.log_every < 1 or self.eval_tokens < 1 or self.num_samples < 0:
+            raise UserError("--log-every and --eval-tokens must be at least 1 and --num-samples 0 or more.")
+        from flaxchat.stage import check_bookkeeping
+        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every,
+                          sample_every=self.sample_every)
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
             raise UserError(f"the window pattern {self.window_pattern!r} (--window-pattern) may only contain the "
                             "letters S (short) and L (long), e.g. SSSL.")

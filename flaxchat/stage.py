@@ -18,6 +18,18 @@ from __future__ import annotations
 from typing import Callable
 
 
+def check_bookkeeping(keep_checkpoints: int, **every: int) -> None:
+    """One sentence for the checkpoint and cadence flags every stage has, before anything is written:
+    Orbax told to keep 0 checkpoints deletes each one as it is saved, the last one too."""
+    from flaxchat.errors import UserError
+    if keep_checkpoints < 1:
+        raise UserError(f"--keep-checkpoints must be at least 1 (got {keep_checkpoints}): the last checkpoint is "
+                        "what a run resumes from and what the next stage loads.")
+    for name, n in every.items():
+        if n < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {n}).")
+
+
 def barrier(name: str) -> None:
     """Every process of the job reaches this point before any goes on (a no-op in one process)."""
     import jax

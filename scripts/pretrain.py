@@ -356,7 +356,8 @@ def _run(tc: TrainConfig) -> dict:
         ])
 
     finish(tc.run_dir, compute.is_main, checkpointer, progress, step, summary, report)
-    print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val bpb {last_bpb}; "
+    bpb = f"val bpb {last_bpb:.4f}" if last_bpb is not None else "no validation (--eval-every=0)"
+    print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {bpb}; "
            f"report {paths.join(tc.run_dir, 'report.md')}")
     summary["samples"] = samples
     return summary

@@ -57,6 +57,8 @@ class RLConfig:
         if min(self.steps, self.prompts, self.samples, self.max_new_tokens, self.eval_examples, self.log_every) < 1:
             raise UserError("--steps, --prompts, --samples, --max-new-tokens, --eval-examples and --log-every must be "
                             "at least 1.")
+        from flaxchat.stage import check_bookkeeping
+        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
         if self.samples < 2:
             raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
         from flaxchat.finetune import check_sharding

@@ -59,6 +59,8 @@ class SFTConfig:
             raise UserError("--device-batch-size, --grad-accum and --log-every must be at least 1.")
         if self.steps == 0 or self.steps < -1 or self.epochs <= 0:
             raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
+        from flaxchat.stage import check_bookkeeping
+        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
         if not 0 <= self.warmdown_ratio <= 1 or self.lr_frac <= 0:
             raise UserError("--warmdown-ratio must lie between 0 and 1 and --lr-frac be positive.")
         from flaxchat.finetune import check_sharding

@@ -380,6 +380,9 @@ def test_sft_and_rl_run_fsdp_on_8_devices_into_a_memory_run_folder(base, tmp_pat
     ("rl", ["--base", "BASE", "--samples", "1"], "at least 2"),
     ("sft", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
     ("rl", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
+    ("sft", ["--base", "BASE", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    ("rl", ["--base", "BASE", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    ("rl", ["--base", "BASE", "--eval-every", "-1"], "--eval-every must be 0 (never) or more"),
     ("rl", ["--base", "/nonexistent/run"], "no run folder"),
     ("rl", ["--base", "BASE", "--task", "mmlu@/nonexistent/mmlu.parquet"], "mmlu"),
 ])

@@ -128,6 +128,15 @@ def _main(argv, capsys):
     (["--optimizer=sgd"], "--optimizer must be"),
     (["--ns-dtype=fp8"], "--ns-dtype must be auto, float32, bfloat16 or bf16-products"),
     (["--data=/no/such/place/*.txt", "--steps=1"], "/no/such/place"),
+    # Values that used to run as something else, or end in a traceback after minutes of work:
+    (["--steps=0"], "--steps must be positive, or -1"),  # ran the derived horizon
+    (["--steps=-5"], "--steps must be positive, or -1"),
+    (["--total-batch-size=0", "--steps=1"], "--total-batch-size must be positive, or -1"),
+    (["--param-data-ratio=0"], "--param-data-ratio must be positive"),  # ZeroDivisionError
+    (["--log-every=0", "--steps=1"], "--log-every and --eval-tokens must be at least 1"),  # ZeroDivisionError
+    (["--num-samples=-1", "--steps=1"], "--num-samples 0 or more"),  # sampled 2 of the 3 prompts
+    (["--keep-checkpoints=0", "--steps=1"], "--keep-checkpoints must be at least 1"),  # kept none, the last too
+    (["--save-every=-3", "--steps=1"], "--save-every must be 0 (never) or more"),
 ])
 def test_bad_input_is_one_sentence_and_nonzero(argv, words, capsys, tmp_path):
     code, cap = _main([*argv, f"--run-dir={tmp_path / 'r'}"], capsys)
