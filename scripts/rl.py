@@ -61,6 +61,8 @@ class RLConfig:
         check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
         if self.samples < 2:
             raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
+        from flaxchat.engine import make_sampling
+        make_sampling(self.temperature, self.top_k)  # a bad --temperature/--top-k: one sentence, before any work
         from flaxchat.finetune import check_sharding
         check_sharding(self.sharding)
 

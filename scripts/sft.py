@@ -55,8 +55,8 @@ class SFTConfig:
     def validate(self) -> None:
         if not self.base:
             raise UserError("--base is required: the run folder of the model to finetune (e.g. runs/d4).")
-        if self.device_batch_size < 1 or self.grad_accum < 1 or self.log_every < 1:
-            raise UserError("--device-batch-size, --grad-accum and --log-every must be at least 1.")
+        if min(self.device_batch_size, self.grad_accum, self.log_every, self.eval_batches) < 1:
+            raise UserError("--device-batch-size, --grad-accum, --log-every and --eval-batches must be at least 1.")
         if self.steps == 0 or self.steps < -1 or self.epochs <= 0:
             raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
         from flaxchat.stage import check_bookkeeping
@@ -218,13 +218,14 @@ def _run(cfg: SFTConfig) -> dict:
         write_report(stage.path("report.md"), title="flaxchat SFT", sections=[
             ("Run", {"base": paths.absolute(cfg.base), "mix": cfg.mix, "conversations": len(train_set),
                      "steps": steps, "rows per step": rows * cfg.grad_accum, "sequence": T,
-                     "val loss": f"{first_val or 0:.4f} -> {last_val or 0:.4f}",
+                     "val loss": f"{first_val:.4f} -> {last_val:.4f}" if last_val is not None else "- (--eval-every=0)",
                      "training time": fmt_duration(train_seconds)}),
             ("Loss curve", "![loss](loss.png)" if png else "(no steps logged)"),
             ("Replies (greedy)", [f"{p} -> {r!r}" for p, r in replies.items()]),
             ("Config", dataclasses.asdict(cfg)),
         ])
-        print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; val loss {last_val}; "
+        val = f"val loss {last_val:.4f}" if last_val is not None else "no validation (--eval-every=0)"
+        print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {val}; "
                f"report {stage.path('report.md')}")
 
     stage.finish(summary, report)
@@ -241,13 +242,19 @@ def conversations_per_row(dataset, tokenizer, seq_len: int, seed: int, probe_row
 
 
 def check_replies(model, tokenizer, prompts: list[str], max_tokens: int = 64) -> dict[str, str]:
-    """Greedy replies to a few prompts, with the tool on: what a user of the chat CLI would see."""
+    """Greedy replies to a few prompts, with the tool on: what a user of the chat CLI would see.
+    A prompt longer than the model's context is not asked (a look at the result must not fail the
+    stage after its training is done)."""
     from flaxchat.engine import Engine
     from flaxchat.loading import chat_prompt
     engine = Engine(model, tokenizer)
+    context = model.config.sequence_len
     out = {}
     for p in prompts:
         ids = chat_prompt(tokenizer, [{"role": "user", "content": p}])
+        if len(ids) >= context:
+            out[p] = f"(not asked: {len(ids)} tokens, the model's context holds {context})"
+            continue
         samples, _ = engine.generate_batch(ids, 1, max_tokens, temperature=0.0)
         out[p] = tokenizer.decode(samples[0])
     return out

@@ -378,11 +378,14 @@ def test_sft_and_rl_run_fsdp_on_8_devices_into_a_memory_run_folder(base, tmp_pat
     ("sft", ["--base", "BASE", "--run-dir", "BASE"], "base model's own folder"),
     ("sft", ["--base", "BASE", "--mix", "chat:heavy"], "bad weight"),
     ("rl", ["--base", "BASE", "--samples", "1"], "at least 2"),
-    ("sft", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
+    ("sft", ["--base", "BASE", "--log-every", "0"], "--log-every and --eval-batches must be at least 1"),
     ("rl", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
     ("sft", ["--base", "BASE", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     ("rl", ["--base", "BASE", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     ("rl", ["--base", "BASE", "--eval-every", "-1"], "--eval-every must be 0 (never) or more"),
+    ("sft", ["--base", "BASE", "--eval-batches", "0"], "--log-every and --eval-batches must be at least 1"),  # read val loss 0.0000
+    ("rl", ["--base", "BASE", "--temperature", "-1"], "temperature must be 0 (greedy) or positive"),  # after an eval
+    ("rl", ["--base", "BASE", "--top-k", "-3"], "top_k must be positive, or 0 for no limit"),
     ("rl", ["--base", "/nonexistent/run"], "no run folder"),
     ("rl", ["--base", "BASE", "--task", "mmlu@/nonexistent/mmlu.parquet"], "mmlu"),
 ])
@@ -403,6 +406,18 @@ def test_roles_out_of_order_are_refused(tokenizer):
     bad = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "?"}]}
     with pytest.raises(UserError, match="roles must alternate"):
         ConversationLoader([bad], tokenizer, 1, 64).next_batch()
+
+
+@pytest.mark.timeout(120)
+def test_check_replies_skips_a_prompt_longer_than_the_context(base):
+    """SFT's closing look at the model asks only what fits: a base trained at a short --sequence-len
+    used to fail the stage there, after its training and last save."""
+    from scripts.sft import check_replies
+    model, tok, _ = load_model(base)
+    long = "one two three " * 60
+    out = check_replies(model, tok, ["Hi", long], max_tokens=4)
+    assert out[long].startswith("(not asked: ") and "context holds 128" in out[long], out
+    assert isinstance(out["Hi"], str) and not out["Hi"].startswith("(not asked"), out
 
 
 @pytest.mark.timeout(60)
