@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else get_default_tokenizer_dir()
     if (out / FILENAME).exists() and not args.force:
         raise UserError(f"{out} already has a tokenizer; pass --force to overwrite it or --out for another folder")
-    if args.max_chars < 1 or args.eval_docs < 1:
-        raise UserError("--max-chars and --eval-docs must be positive")
+    if min(args.max_chars, args.doc_cap, args.eval_docs) < 1:  # --doc-cap 0 read the whole corpus into nothing
+        raise UserError("--max-chars, --doc-cap and --eval-docs must be positive")
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UserError(f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + "
                         f"{len(SPECIAL_TOKENS)} special tokens)")

@@ -222,3 +222,15 @@ def test_tok_train_script(tmp_path, capsys):
     assert Tokenizer.load(tmp_path).vocab_size == 300
     assert cli_main(tok_train.main, argv) == 2  # refuses to overwrite without --force
     assert "already has a tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--max-chars=0", "--doc-cap=0", "--eval-docs=-1"])
+def test_tok_train_refuses_a_size_that_leaves_nothing(flag, tmp_path, capsys):
+    """--doc-cap 0 cut every document to nothing and read the whole corpus doing it (minutes on a real
+    one) before failing on an empty training text: now one sentence, before any reading."""
+    from flaxchat.errors import cli_main
+    from scripts import tok_train
+    assert cli_main(tok_train.main, [flag, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--max-chars, --doc-cap and --eval-docs must be positive" in err and err.count("\n") == 0, err
+    assert not any(tmp_path.iterdir())
