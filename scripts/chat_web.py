@@ -43,6 +43,29 @@ class Limits:
     temperature: float = 0.6
     top_k: int = 50
 
+    def check(self) -> None:
+        """The server's own limits and defaults, as flags: one sentence at start-up, not a 400 on
+        every request that leaves a field to its default."""
+        for name, lo in (("max_message_chars", 1), ("max_messages", 1), ("max_tokens", 1), ("max_queue", 0)):
+            if getattr(self, name) < lo:
+                raise UserError(f"--{name.replace('_', '-')} must be at least {lo} (got {getattr(self, name)}).")
+        for name, lo, hi in (("default_max_tokens", 1, self.max_tokens), ("temperature", *RANGES["temperature"]),
+                             ("top_k", *RANGES["top_k"])):
+            if not lo <= getattr(self, name) <= hi:
+                raise UserError(f"--{name.replace('_', '-')} must lie between {lo} and {hi} (got {getattr(self, name)}).")
+
+
+RANGES = {"temperature": (0.0, 2.0), "top_k": (0, 1000)}  # what a request (and the server's default) may ask
+LIMITS_HELP = {
+    "max_message_chars": "longest message a request may carry, in characters",
+    "max_messages": "most messages in one conversation (user and assistant)",
+    "max_tokens": "the longest reply a request may ask for, in tokens",
+    "default_max_tokens": "reply length for a request that names none (at most --max-tokens)",
+    "max_queue": "requests that may wait beyond the busy slots; more get HTTP 503",
+    "temperature": "sampling temperature for a request that names none (0: greedy; at most 2)",
+    "top_k": "sample among the k likeliest tokens for a request that names none (0: all)",
+}
+
 
 class BadRequest(Exception):
     """One sentence for the client, sent as HTTP 400."""
@@ -74,8 +97,8 @@ def parse_request(body: bytes, limits: Limits) -> dict:
     if not messages[-1]["content"].strip():
         raise BadRequest("the last message is empty; write something.")
     out = dict(messages=[{"role": m["role"], "content": m["content"]} for m in messages])
-    for name, kind, lo, hi, default in (("temperature", (int, float), 0.0, 2.0, limits.temperature),
-                                        ("top_k", int, 0, 1000, limits.top_k),
+    for name, kind, lo, hi, default in (("temperature", (int, float), *RANGES["temperature"], limits.temperature),
+                                        ("top_k", int, *RANGES["top_k"], limits.top_k),
                                         ("max_tokens", int, 1, limits.max_tokens,
                                          min(limits.default_max_tokens, limits.max_tokens))):
         value = data.get(name, default)
@@ -233,7 +256,8 @@ def parse_args(argv=None):
                    help="compile for a short chat at start-up (default: on)")
     d = Limits()
     for f in dataclasses.fields(Limits):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name))
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
+                       help=f"{LIMITS_HELP[f.name]} (default: {getattr(d, f.name)})")
     return p.parse_args(argv)
 
 
@@ -243,6 +267,8 @@ def main(argv=None) -> int:
         raise UserError(f"--slots must be at least 1 (got {args.slots}).")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535 (got {args.port}).")
+    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+    limits.check()
     import uvicorn
 
     from flaxchat.engine import Engine
@@ -251,7 +277,6 @@ def main(argv=None) -> int:
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     model, tokenizer, meta = load_model(args.run_dir, args.step)
     engine = Engine(model, tokenizer, tools=not args.no_tools)
-    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     app = create_app(engine, tokenizer, slots=args.slots, limits=limits, name=f"{args.run_dir} step {meta.get('step')}")
     if args.warmup:  # compile the common shapes now, in the background, so /health answers at once
         threading.Thread(target=warm_up, args=(engine, tokenizer, app, limits.default_max_tokens), daemon=True).start()

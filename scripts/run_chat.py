@@ -44,19 +44,29 @@ def main(argv=None) -> int:
     if args.quick:
         args.base_steps, args.sft_steps, args.rl_steps, args.eval_limit = 30, 20, 4, 10
     base, sft_dir, rl_dir = (os.path.join(args.run_dir, n) for n in ("base", "sft", "rl"))
+    # Every stage's flags are parsed (and so checked) here, before the first stage runs: a bad
+    # --sft-steps or --eval-limit is one sentence now, not after the pretraining's minutes.
+    pre_args = pretrain.parse_args([f"--run-dir={base}", f"--depth={args.depth}", f"--steps={args.base_steps}"],
+                                   run_tinystories.DEFAULTS)
+    sft_args = sft.parse_args(["--base", base, "--run-dir", sft_dir, "--steps", str(args.sft_steps),
+                               "--device-batch-size", "4", "--grad-accum", "2",
+                               "--eval-every", str(max(1, args.sft_steps // 5))])
+    rl_args = rl.parse_args(["--base", sft_dir, "--run-dir", rl_dir, "--steps", str(args.rl_steps),
+                             "--eval-every", str(max(1, args.rl_steps // 3)), "--eval-examples", str(args.eval_limit)])
+    eval_args = [evaluate.parse_args(["--model", d, "--tasks", "all", "--limit", str(args.eval_limit)])
+                 for d in (sft_dir, rl_dir)]
+    for a in eval_args:
+        evaluate.plan(a)
+
     print(f"--- 1/4 tokenizer and pretraining -> {base}", flush=True)
-    pre = pretrain.run(pretrain.parse_args([f"--run-dir={base}", f"--depth={args.depth}",
-                                            f"--steps={args.base_steps}"], run_tinystories.DEFAULTS))
+    pre = pretrain.run(pre_args)
     print(f"--- 2/4 SFT -> {sft_dir}", flush=True)
-    s = sft.run(sft.parse_args(["--base", base, "--run-dir", sft_dir, "--steps", str(args.sft_steps),
-                                "--device-batch-size", "4", "--grad-accum", "2",
-                                "--eval-every", str(max(1, args.sft_steps // 5))]))
-    ev_sft = evaluate.run(evaluate.parse_args(["--model", sft_dir, "--tasks", "all", "--limit", str(args.eval_limit)]))
+    s = sft.run(sft_args)
+    ev_sft = evaluate.run(eval_args[0])
     print(f"--- 3/4 RL -> {rl_dir}", flush=True)
-    r = rl.run(rl.parse_args(["--base", sft_dir, "--run-dir", rl_dir, "--steps", str(args.rl_steps),
-                              "--eval-every", str(max(1, args.rl_steps // 3)), "--eval-examples", str(args.eval_limit)]))
+    r = rl.run(rl_args)
     print("--- 4/4 evaluation of the RL model", flush=True)
-    ev_rl = evaluate.run(evaluate.parse_args(["--model", rl_dir, "--tasks", "all", "--limit", str(args.eval_limit)]))
+    ev_rl = evaluate.run(eval_args[1])
 
     def table(results):
         return {f"{row['task']} {row['metric']}": f"{row['value']:.3f} (n={row['n']})" for row in results["results"]}

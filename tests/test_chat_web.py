@@ -265,6 +265,23 @@ def test_a_taken_port_is_one_sentence(served):
     assert out.returncode == 2 and "cannot listen" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["--slots", "0"], "--slots must be at least 1"),
+    (["--port", "99999"], "--port must be between 1 and 65535"),
+    # These used to start a server that refused every request leaving the field to its default:
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--default-max-tokens", "600"], "--default-max-tokens must lie between 1 and 512"),
+    (["--temperature", "-2"], "--temperature must lie between 0.0 and 2.0"),
+    (["--top-k", "-1"], "--top-k must lie between 0 and 1000"),
+    (["--max-queue", "-1"], "--max-queue must be at least 0"),
+])
+def test_bad_flags_are_one_sentence_before_the_model_loads(argv, words, capsys):
+    from flaxchat.errors import cli_main
+    assert cli_main(chat_web.main, ["--run-dir", "/nonexistent/run", *argv]) == 2  # the model is never read
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.count("\n") == 0, err
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 

@@ -401,6 +401,24 @@ def test_bad_input_is_one_sentence(script, argv, words, base, tmp_path, capsys):
     assert sorted(os.listdir(base / "checkpoints")) == before and not (tmp_path / "out" / "checkpoints").exists()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,words", [
+    (["--sft-steps", "0"], "--steps must be positive (or -1 for --epochs passes)"),
+    (["--rl-steps", "0"], "--steps, --prompts, --samples"),
+    (["--eval-limit", "0"], "--eval-examples"),
+    (["--depth", "0"], "--depth must be at least 1"),
+])
+def test_run_chat_checks_every_stage_before_the_first(argv, words, tmp_path, capsys):
+    """The chain's later stages' flags used to be read only when their turn came: after the
+    pretraining's minutes. Now a bad one is one sentence before anything runs or is written."""
+    from scripts import run_chat
+    assert cli_main(run_chat.main, ["--run-dir", str(tmp_path / "chain"), *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert words in err and err.count("\n") == 0, err
+    assert "--- 1/4" not in captured.out and not (tmp_path / "chain").exists()
+
+
 @pytest.mark.timeout(30)
 def test_roles_out_of_order_are_refused(tokenizer):
     bad = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "?"}]}
