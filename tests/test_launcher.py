@@ -222,6 +222,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(30)
+def test_the_installed_command_prints_an_error_as_one_line(monkeypatch, capsys):
+    """pyproject's console script (`flaxchat-launch`) pointed at `main` itself, so every UserError
+    reached the user as a traceback with exit code 1; it goes through cli_main like `python -m`."""
+    import importlib
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["flaxchat-launch"]
+    module, attr = target.split(":")
+    monkeypatch.setattr(sys, "argv", ["flaxchat-launch", "--project", "p"])  # no action given
+    assert getattr(importlib.import_module(module), attr)() == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: nothing to do") and err.count("\n") == 0, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv,words", [
+    (["--recover", "true", "--heartbeat-deadline", "0"], "--heartbeat-deadline must be positive (got 0)"),
+    (["--wait", "--poll-interval", "-5"], "--poll-interval must be positive (got -5)"),  # time.sleep(-5) mid-wait
+    (["--wait", "--timeout", "-1"], "--timeout must be positive"),
+    (["--recover", "true", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    (["--logs", "--lines", "-3"], "--lines must be 0 or more"),  # went to the workers' tail as is
+    (["--run", "true", "--coordinator-port", "99999"], "--coordinator-port must be between 1 and 65535"),
+])
+def test_a_number_that_cannot_mean_what_was_asked_is_one_sentence(argv, words, capsys):
+    code, out, err = cli(capsys, "--project", "p", "--tpu-name", "t", "--zone", Z, *argv)
+    assert code == 2 and words in err and err.strip().count("\n") == 0, err
+    assert out == ""  # refused before a VM was looked at
+
+
 # --- create / setup / teardown -------------------------------------------------------------------------
 
 

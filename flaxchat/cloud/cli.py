@@ -158,6 +158,21 @@ def _secrets(names: list[str]) -> dict[str, str]:
     return {n: os.environ[n] for n in names}
 
 
+def _check_numbers(args) -> None:
+    """One sentence for a number that cannot mean what was asked, before any VM is touched: a
+    --heartbeat-deadline of 0 would call every healthy worker hung and restart the run for ever."""
+    for flag, value, ok, what in (
+            ("--poll-interval", args.poll_interval, lambda v: v > 0, "positive"),
+            ("--timeout", args.timeout, lambda v: v > 0, "positive"),
+            ("--heartbeat-deadline", args.heartbeat_deadline, lambda v: v > 0, "positive"),
+            ("--startup-check", args.startup_check, lambda v: v >= 0, "0 or more"),
+            ("--max-restarts", args.max_restarts, lambda v: v >= 0, "0 or more"),
+            ("--lines", args.lines, lambda v: v >= 0, "0 or more"),
+            ("--coordinator-port", args.coordinator_port, lambda v: 0 < v < 65536, "between 1 and 65535")):
+        if value is not None and not ok(value):
+            raise UserError(f"{flag} must be {what} (got {value:g}).")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     actions = [a for a in ("create", "setup", "upload", "check_devices", "run", "logs", "health", "wait",
@@ -165,6 +180,7 @@ def main(argv=None) -> int:
     if not actions:
         raise UserError("nothing to do; give an action such as --create, --run CMD, --logs, --health or --teardown "
                         "(see --help).")
+    _check_numbers(args)
     if args.dry_run and (args.wait or args.recover or (args.logs and not args.no_follow)):
         raise UserError("--wait, --recover and a following --logs poll the VM, so they cannot be dry-run.")
     config, where = resolve_config(args)

@@ -696,5 +696,11 @@ def main(argv=None) -> int:
     return cli(argv)
 
 
+def console() -> int:
+    """The installed `flaxchat-launch` command: as `python -m`, a UserError is one line on stderr and
+    exit code 2, not a traceback."""
+    return cli_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(cli_main(main))
+    sys.exit(console())
