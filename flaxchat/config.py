@@ -201,6 +201,13 @@ class TrainConfig:
         if self.total_batch_size == 0 or self.total_batch_size < -1:
             raise UserError("--total-batch-size must be positive, or -1 for nanochat's automatic size "
                             f"(got {self.total_batch_size}).")
+        lrs = dict(matrix_lr=self.matrix_lr, embedding_lr=self.embedding_lr, unembedding_lr=self.unembedding_lr,
+                   scalar_lr=self.scalar_lr, weight_decay=self.weight_decay)
+        for name, value in lrs.items():
+            if value < 0:  # a negative rate climbs the loss
+                raise UserError(f"--{name.replace('_', '-')} must be 0 or more (got {value}).")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise UserError(f"--adam-beta1 and --adam-beta2 must lie in [0, 1) (got {self.adam_beta1}, {self.adam_beta2}).")
         if self.param_data_ratio <= 0:
             raise UserError(f"--param-data-ratio must be positive (got {self.param_data_ratio}).")
         if self.log_every < 1 or self.eval_tokens < 1 or self.num_samples < 0:

@@ -59,6 +59,8 @@ class RLConfig:
                             "at least 1.")
         from flaxchat.stage import check_bookkeeping
         check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
+        if self.lr_frac <= 0:
+            raise UserError(f"--lr-frac must be positive (got {self.lr_frac}).")
         if self.samples < 2:
             raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
         from flaxchat.engine import make_sampling

@@ -61,8 +61,8 @@ class SFTConfig:
             raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
         from flaxchat.stage import check_bookkeeping
         check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
-        if not 0 <= self.warmdown_ratio <= 1 or self.lr_frac <= 0:
-            raise UserError("--warmdown-ratio must lie between 0 and 1 and --lr-frac be positive.")
+        if not 0 <= self.warmdown_ratio <= 1 or self.lr_frac <= 0 or self.weight_decay < 0:
+            raise UserError("--warmdown-ratio must lie between 0 and 1, --lr-frac be positive and --weight-decay 0 or more.")
         from flaxchat.finetune import check_sharding
         check_sharding(self.sharding)
 

@@ -137,6 +137,9 @@ def _main(argv, capsys):
     (["--num-samples=-1", "--steps=1"], "--num-samples 0 or more"),  # sampled 2 of the 3 prompts
     (["--keep-checkpoints=0", "--steps=1"], "--keep-checkpoints must be at least 1"),  # kept none, the last too
     (["--save-every=-3", "--steps=1"], "--save-every must be 0 (never) or more"),
+    (["--matrix-lr=-1", "--steps=1"], "--matrix-lr must be 0 or more"),  # trained, climbing the loss
+    (["--weight-decay=-0.1", "--steps=1"], "--weight-decay must be 0 or more"),
+    (["--adam-beta1=1.5", "--steps=1"], "--adam-beta1 and --adam-beta2 must lie in [0, 1)"),
 ])
 def test_bad_input_is_one_sentence_and_nonzero(argv, words, capsys, tmp_path):
     code, cap = _main([*argv, f"--run-dir={tmp_path / 'r'}"], capsys)
