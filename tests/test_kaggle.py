@@ -326,6 +326,20 @@ def test_wrong_token_is_refused(server, capsys):
     assert err.count("\n") == 1 and "not-the-token" not in err and "HTTP 403" in err
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv,words", [
+    (["--run", "1", "--timeout", "-5"], "--timeout must be a positive number of seconds"),
+    (["--status", "--restart"], "--restart goes with --stop"),  # was ignored: the kernel was not restarted
+    (["--wait", "--shutdown"], "--shutdown goes with --stop"),
+    (["--run", "1", "--untracked"], "--untracked goes with --setup"),
+])
+def test_a_flag_that_would_be_ignored_or_fail_late_is_one_sentence(argv, words, capsys):
+    # A closed port: the check comes before any connection is tried.
+    assert cli_main(cli, ["http://127.0.0.1:9/proxy", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.count("\n") == 0 and "reach" not in err, err
+
+
 @pytest.mark.timeout(60)
 def test_not_a_jupyter_server(tmp_path):
     (tmp_path / "index.html").write_text("<html>hello</html>")

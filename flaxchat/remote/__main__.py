@@ -72,6 +72,12 @@ def _raise_if_failed(res: RunResult, what: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Flags that would otherwise be ignored, or fail only once the kernel is reached: one sentence here.
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError(f"--timeout must be a positive number of seconds (got {args.timeout:g}).")
+    for flag, needs in (("restart", "stop"), ("shutdown", "stop"), ("no_deps", "setup"), ("untracked", "setup")):
+        if getattr(args, flag) and getattr(args, needs) in (None, False):
+            raise UserError(f"--{flag.replace('_', '-')} goes with --{needs}.")
     from flaxchat.remote.kaggle import KaggleRunner
     code = args.run
     if args.file is not None:
