@@ -107,6 +107,7 @@ def _median_ms(fn, steps: int) -> float:
     return float(np.median(times)) * 1e3
 
 
+MODES = ("baseline", "flaxchat", "flaxchat16k")
 DIFFERENCES = ("update", "muon-ns", "rest")  # phases that are differences of two timed steps
 PHASES = {
     "step": "(the full step, timed interleaved with the two below)",
@@ -338,7 +339,7 @@ def main(argv=None):
     p.add_argument("--configs", default="A,B", help="comma-separated: A (the main job's shape), B (depth 8), S (a smoke "
                                                       "size: does the bench run here)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
-    p.add_argument("--modes", default="baseline,flaxchat,flaxchat16k")
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--attention", default="auto", help="attention kernel of the flaxchat modes (default: %(default)s)")
     p.add_argument("--phases", action="store_true", help="also split the flaxchat modes' step by phase")
     p.add_argument("--ablate", action="store_true",
@@ -357,6 +358,9 @@ def main(argv=None):
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown config {unknown[0]!r}: choose from {', '.join(CONFIGS)}.")
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:  # before the peak is timed and the first config compiled
+        raise SystemExit(f"unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}.")
     print(cpu_line())
 
     probe = PeakProbe()
@@ -382,7 +386,7 @@ def main(argv=None):
                 micro = spec["micro_rows"]
                 r = run_mode(cfg, micro, 16384 // (micro * T), "muon", args.steps, probe=probe)
             else:
-                raise SystemExit(f"unknown mode {mode!r}")
+                raise AssertionError(mode)  # MODES is checked above
             print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {r['mfu']:>5.1f}% "
                   f"{r['peak'] / 1e9:>7.0f} {r['compile_s']:>7.1f}s", flush=True)
             rows_seen.append((name, mode, r["tok_s"] * r["flops_per_tok"]))

@@ -93,6 +93,10 @@ def test_mfu_divides_each_step_by_the_peak_timed_beside_it():
     assert abs(r["mfu"] - 100 * r["tok_s"] * r["flops_per_tok"] / 1e11) < 1e-6 * r["mfu"]
 
 
-def test_an_unknown_config_is_one_sentence():
+def test_an_unknown_config_is_one_sentence(capsys):
     with pytest.raises(SystemExit, match="unknown config 'C': choose from S, A, B"):
         train_throughput.main(["--configs", "A,C"])
+    # An unknown mode: refused before the peak is timed and a config compiled (it was found after both).
+    with pytest.raises(SystemExit, match="unknown mode 'fast': choose from baseline, flaxchat, flaxchat16k"):
+        train_throughput.main(["--configs", "S", "--modes", "flaxchat,fast"])
+    assert capsys.readouterr().out == ""
