@@ -30,6 +30,46 @@ def check_bookkeeping(keep_checkpoints: int, **every: int) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {n}).")
 
 
+class StopOnCtrlC:
+    """Ctrl-C during a stage's loop: the step in flight finishes, the loop saves a checkpoint at that
+    step boundary and stops (`stop_here`), so the same command resumes instead of starting over. A
+    second Ctrl-C stops at once, as before. One process only: a save is collective, and on a pod the
+    launcher stops the run; there the default KeyboardInterrupt stays."""
+
+    def __init__(self, enabled: bool, log: Callable[[str], None]):
+        self.enabled, self.log, self.requested, self._previous = enabled, log, False, None
+
+    def __enter__(self) -> "StopOnCtrlC":
+        import signal
+        import threading
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt now
+        self.log("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)")
+
+    def __exit__(self, *exc) -> None:
+        import signal
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def stop_here(self, step: int, checkpointer, save: Callable[[int], None]) -> None:
+        """Called at the top of each iteration: when Ctrl-C was pressed, save `step` (unless it is
+        saved already or nothing was trained), wait for the write, and raise KeyboardInterrupt."""
+        if not self.requested:
+            return
+        if step > 0 and checkpointer.latest_step() != step:
+            save(step)
+        checkpointer.close()  # the asynchronous write lands before the process ends
+        self.log(f"stopped at step {step}; " + ("run the same command to resume from it." if step > 0 else
+                                                "nothing was trained yet."))
+        raise KeyboardInterrupt
+
+
 def barrier(name: str) -> None:
     """Every process of the job reaches this point before any goes on (a no-op in one process)."""
     import jax

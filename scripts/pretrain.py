@@ -110,7 +110,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, scaling
     from flaxchat.progress import Progress
-    from flaxchat.stage import barrier, finish, open_checkpoints
+    from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import bits_per_byte, eval_step, sample, train_step
@@ -287,47 +287,49 @@ def _run(tc: TrainConfig) -> dict:
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
     last_bpb = None
     step_fn = nnx.cached_partial(train_step, model, optimizer)  # see flaxchat.train.train_step
-    while step < steps:
-        x, y = next_batch()
-        t0 = time.time()
-        loss = step_fn(x, y)
-        step += 1
-        if progress.due():
-            loss.block_until_ready()  # progress means a finished step, not a dispatched one
-            progress.update(step)
-        if compile_s is None:
-            loss.block_until_ready()
-            compile_s = time.time() - t0
-            t_window, tokens_window, t_loop = time.time(), 0, time.time()
-            print0(f"compiled the train step in {compile_s:.1f}s")
-        else:
-            tokens_window += total
-        if step % tc.log_every == 0 or step == steps:
-            lossf = float(loss)
-            if not math.isfinite(lossf):
-                raise UserError(f"the loss became {lossf} at step {step}; lower the learning rates or check the data.")
-            smooth = lossf if smooth is None else 0.9 * smooth + 0.1 * lossf
-            dt = max(time.time() - t_window, 1e-9)
-            tps = tokens_window / dt if tokens_window else 0.0
-            mfu = 100 * tps * flops_per_token / peak if tps else 0.0
-            eta = (steps - step) * total / tps if tps else 0.0
-            print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | lr x{float(schedule.lr_multiplier(step - 1)):.2f} | "
-                   f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {fmt_duration(eta)}")
-            if compute.is_main:
-                metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, time=time.time())
-            t_window, tokens_window = time.time(), 0
-        if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == steps):
-            last_bpb = evaluate()
-            print0(f"step {step:05d} | val bpb {last_bpb:.4f}")
-            if compute.is_main:
-                metrics.append(kind="val", step=step, val_bpb=last_bpb)
-        if tc.sample_every > 0 and step % tc.sample_every == 0 and step < steps:
-            for s in stories():
-                print0(f"sample: {s!r}")
-        if step == steps or (tc.save_every > 0 and step % tc.save_every == 0):
-            save(step)
-        if tokens_window == 0:
-            t_window = time.time()  # evaluation, sampling and saving are not training time
+    with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
+        while step < steps:
+            ctrl_c.stop_here(step, checkpointer, save)
+            x, y = next_batch()
+            t0 = time.time()
+            loss = step_fn(x, y)
+            step += 1
+            if progress.due():
+                loss.block_until_ready()  # progress means a finished step, not a dispatched one
+                progress.update(step)
+            if compile_s is None:
+                loss.block_until_ready()
+                compile_s = time.time() - t0
+                t_window, tokens_window, t_loop = time.time(), 0, time.time()
+                print0(f"compiled the train step in {compile_s:.1f}s")
+            else:
+                tokens_window += total
+            if step % tc.log_every == 0 or step == steps:
+                lossf = float(loss)
+                if not math.isfinite(lossf):
+                    raise UserError(f"the loss became {lossf} at step {step}; lower the learning rates or check the data.")
+                smooth = lossf if smooth is None else 0.9 * smooth + 0.1 * lossf
+                dt = max(time.time() - t_window, 1e-9)
+                tps = tokens_window / dt if tokens_window else 0.0
+                mfu = 100 * tps * flops_per_token / peak if tps else 0.0
+                eta = (steps - step) * total / tps if tps else 0.0
+                print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | lr x{float(schedule.lr_multiplier(step - 1)):.2f} | "
+                       f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {fmt_duration(eta)}")
+                if compute.is_main:
+                    metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, time=time.time())
+                t_window, tokens_window = time.time(), 0
+            if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == steps):
+                last_bpb = evaluate()
+                print0(f"step {step:05d} | val bpb {last_bpb:.4f}")
+                if compute.is_main:
+                    metrics.append(kind="val", step=step, val_bpb=last_bpb)
+            if tc.sample_every > 0 and step % tc.sample_every == 0 and step < steps:
+                for s in stories():
+                    print0(f"sample: {s!r}")
+            if step == steps or (tc.save_every > 0 and step % tc.save_every == 0):
+                save(step)
+            if tokens_window == 0:
+                t_window = time.time()  # evaluation, sampling and saving are not training time
     batches.close()
     train_seconds = time.time() - t_loop
 

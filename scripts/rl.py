@@ -111,6 +111,7 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.stage import StopOnCtrlC
     from flaxchat.tools import calculate
     from flaxchat.train import policy_step
 
@@ -164,31 +165,37 @@ def _run(cfg: RLConfig) -> dict:
         evals["0"] = pass_at_1()
         print0(f"step {0:05d} | pass@1 {100 * evals['0']:.1f}% on {min(cfg.eval_examples, len(val_task))} held-out problems")
     recent: list[float] = []
-    while step < cfg.steps:
-        t0 = time.time()
-        inputs, targets, weights, rewards = rollout(step)
-        t_gen = time.time() - t0
-        policy_step(model, stage.optimizer, global_from_full(compute, inputs), global_from_full(compute, targets),
-                    global_from_full(compute, weights))
-        refresh_engine()
-        step += 1
-        if stage.progress.due():
-            stage.progress.update(step)
-        recent.append(float(rewards.mean()))
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            mean_r = sum(recent) / len(recent)
-            print0(f"step {step:05d}/{cfg.steps:05d} | mean reward {mean_r:.3f} | sampling {t_gen:.1f}s | "
-                   f"step {time.time() - t0:.1f}s | eta {fmt_duration((cfg.steps - step) * (time.time() - t0))}")
-            if compute.is_main:
-                metrics.append(kind="train", step=step, loss=1.0 - mean_r, reward=mean_r, time=time.time())
-            recent = []
-        if step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0):
-            evals[str(step)] = pass_at_1()
-            print0(f"step {step:05d} | pass@1 {100 * evals[str(step)]:.1f}%")
-            if compute.is_main:
-                metrics.append(kind="val", step=step, pass_at_1=evals[str(step)])
-        if step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            stage.save(step, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
+
+    def save(at):
+        stage.save(at, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
+
+    with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
+        while step < cfg.steps:
+            ctrl_c.stop_here(step, stage.checkpointer, save)
+            t0 = time.time()
+            inputs, targets, weights, rewards = rollout(step)
+            t_gen = time.time() - t0
+            policy_step(model, stage.optimizer, global_from_full(compute, inputs), global_from_full(compute, targets),
+                        global_from_full(compute, weights))
+            refresh_engine()
+            step += 1
+            if stage.progress.due():
+                stage.progress.update(step)
+            recent.append(float(rewards.mean()))
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                mean_r = sum(recent) / len(recent)
+                print0(f"step {step:05d}/{cfg.steps:05d} | mean reward {mean_r:.3f} | sampling {t_gen:.1f}s | "
+                       f"step {time.time() - t0:.1f}s | eta {fmt_duration((cfg.steps - step) * (time.time() - t0))}")
+                if compute.is_main:
+                    metrics.append(kind="train", step=step, loss=1.0 - mean_r, reward=mean_r, time=time.time())
+                recent = []
+            if step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0):
+                evals[str(step)] = pass_at_1()
+                print0(f"step {step:05d} | pass@1 {100 * evals[str(step)]:.1f}%")
+                if compute.is_main:
+                    metrics.append(kind="val", step=step, pass_at_1=evals[str(step)])
+            if step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                save(step)
     stage.step = step
 
     before, after = evals["0"], evals[str(step)]

@@ -113,6 +113,7 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.stage import StopOnCtrlC
     from flaxchat.train import loss_sum, train_step
 
     t_start = time.time()
@@ -173,35 +174,37 @@ def _run(cfg: SFTConfig) -> dict:
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
     t_window, tokens_window = time.time(), 0
     step_fn = nnx.cached_partial(train_step, model, stage.optimizer)  # see flaxchat.train.train_step
-    while step < steps:
-        x, y, frac = next_batch()
-        loss = step_fn(x, y)
-        step += 1
-        tokens_window += x.size
-        if stage.progress.due():
-            loss.block_until_ready()  # progress means a finished step
-            stage.progress.update(step)
-        if step % cfg.log_every == 0 or step == steps:
-            lossf = float(loss)
-            if not math.isfinite(lossf):
-                raise UserError(f"the loss became {lossf} at step {step}; lower --lr-frac.")
-            smooth = lossf if smooth is None else 0.8 * smooth + 0.2 * lossf
-            tps = tokens_window / max(time.time() - t_window, 1e-9)
-            print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | trained tokens {100 * frac:.0f}% | "
-                   f"epoch {loaders[0].epochs_done:.2f} | tok/s {tps:,.0f} | "
-                   f"eta {fmt_duration((steps - step) * x.size / max(tps, 1e-9))}")
-            if compute.is_main:
-                metrics.append(kind="train", step=step, loss=lossf, time=time.time())
-            t_window, tokens_window = time.time(), 0
-        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == steps or step == 1):
-            last_val = val_loss()
-            first_val = last_val if first_val is None else first_val
-            print0(f"step {step:05d} | val loss {last_val:.4f}")
-            if compute.is_main:
-                metrics.append(kind="val", step=step, val_loss=last_val)
-            t_window, tokens_window = time.time(), 0
-        if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            save(step)
+    with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
+        while step < steps:
+            ctrl_c.stop_here(step, stage.checkpointer, save)
+            x, y, frac = next_batch()
+            loss = step_fn(x, y)
+            step += 1
+            tokens_window += x.size
+            if stage.progress.due():
+                loss.block_until_ready()  # progress means a finished step
+                stage.progress.update(step)
+            if step % cfg.log_every == 0 or step == steps:
+                lossf = float(loss)
+                if not math.isfinite(lossf):
+                    raise UserError(f"the loss became {lossf} at step {step}; lower --lr-frac.")
+                smooth = lossf if smooth is None else 0.8 * smooth + 0.2 * lossf
+                tps = tokens_window / max(time.time() - t_window, 1e-9)
+                print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | trained tokens {100 * frac:.0f}% | "
+                       f"epoch {loaders[0].epochs_done:.2f} | tok/s {tps:,.0f} | "
+                       f"eta {fmt_duration((steps - step) * x.size / max(tps, 1e-9))}")
+                if compute.is_main:
+                    metrics.append(kind="train", step=step, loss=lossf, time=time.time())
+                t_window, tokens_window = time.time(), 0
+            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == steps or step == 1):
+                last_val = val_loss()
+                first_val = last_val if first_val is None else first_val
+                print0(f"step {step:05d} | val loss {last_val:.4f}")
+                if compute.is_main:
+                    metrics.append(kind="val", step=step, val_loss=last_val)
+                t_window, tokens_window = time.time(), 0
+            if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                save(step)
     stage.step = step
     train_seconds = time.time() - t_loop
 

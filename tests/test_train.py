@@ -1,4 +1,4 @@
-"""Pretraining end to end: exact resume after SIGKILL, the main job, and bad input."""
+"""Pretraining end to end: exact resume after SIGKILL and after Ctrl-C, the main job, and bad input."""
 
 import json
 import os
@@ -86,6 +86,87 @@ def test_exact_resume_after_sigkill(tmp_path, tokenizer_dir):
     assert step_a == step_b == 12
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
     assert not (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234").exists()  # cleaned up
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_saves_at_the_step_boundary_and_the_same_command_resumes_exactly(tmp_path, tokenizer_dir):
+    """Ctrl-C used to end the run with nothing saved since the last --save-every (the main job's
+    default is 250 steps). Now the step in flight finishes, that step is saved and the run stops with
+    exit code 130; the same command resumes there and ends bitwise where an uninterrupted run does."""
+    common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=300", "--save-every=0"]
+    ref = tmp_path / "uninterrupted"
+    r = _pretrain([*common, f"--run-dir={ref}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    run = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *common, f"--run-dir={run}"], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 00005/00300"):
+            proc.send_signal(signal.SIGINT)
+            break
+    seen += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 130, "".join(seen)[-2000:]
+    stopped = [x for x in seen if x.startswith("stopped at step ")]
+    assert stopped and "run the same command to resume" in stopped[0], "".join(seen)[-2000:]
+    k = int(stopped[0].split()[3].rstrip(";"))
+    assert 5 <= k < 300 and f"step {k:05d} | saving checkpoint\n" in seen
+    assert sorted(os.listdir(run / "checkpoints")) == [str(k)] and not (run / "COMPLETE").exists()
+
+    r = _pretrain([*common, f"--run-dir={run}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed from step {k} " in r.stdout
+    step_a, a = _final_params(ref)
+    step_b, b = _final_params(run)
+    assert step_a == step_b == 300
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
+
+
+@pytest.mark.timeout(30)
+def test_stop_on_ctrl_c_as_sft_and_rl_use_it():
+    """The helper all three loops use: the first Ctrl-C only asks; the loop's next boundary saves that
+    step (not one already saved, not step 0) and raises; a second Ctrl-C interrupts at once; the
+    previous handler comes back. Disabled (several processes), Ctrl-C is the plain KeyboardInterrupt."""
+    from flaxchat.stage import StopOnCtrlC
+
+    class Checkpoints:  # what stop_here reads of a Checkpointer
+        def __init__(self, latest):
+            self.latest, self.closed = latest, False
+
+        def latest_step(self):
+            return self.latest
+
+        def close(self):
+            self.closed = True
+
+    before = signal.getsignal(signal.SIGINT)
+    saved, said = [], []
+    with StopOnCtrlC(True, said.append) as stop:
+        stop.stop_here(3, Checkpoints(None), saved.append)  # nothing asked: goes on
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.requested and "stopping after this step" in said[-1]
+        ck = Checkpoints(4)
+        with pytest.raises(KeyboardInterrupt):
+            stop.stop_here(7, ck, saved.append)
+        assert saved == [7] and ck.closed and said[-1].startswith("stopped at step 7; run the same command")
+        with pytest.raises(KeyboardInterrupt):
+            stop.stop_here(7, Checkpoints(7), saved.append)  # already saved: not again
+        with pytest.raises(KeyboardInterrupt):
+            stop.stop_here(0, Checkpoints(None), saved.append)  # nothing trained: nothing to save
+        assert saved == [7] and said[-1] == "stopped at step 0; nothing was trained yet."
+        with pytest.raises(KeyboardInterrupt):  # the second Ctrl-C
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
+    with StopOnCtrlC(False, said.append) as stop:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert not stop.requested
 
 
 @pytest.mark.slow
