@@ -662,7 +662,7 @@ def test_recover_brings_back_a_preempted_pod(pod):
 
 @pytest.mark.timeout(120)
 def test_recover_restarts_a_crash_with_backoff(spod, shared_pod):
-    cmd = standin(spod.run_dir, steps=10, sleep=0.05, **{"save-every": 2, "crash-once": shared_pod / f"crashed"})
+    cmd = standin(spod.run_dir, steps=10, sleep=0.05, **{"save-every": 2, "crash-once": shared_pod / "crashed"})
     logs = []
     spod.say = logs.append
     result = spod.recover(cmd, local_repo_path=str(shared_pod / "repo"),
