@@ -42,6 +42,29 @@ def _final_params(run_dir):
     return meta["step"], nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+def _reference_then_start(tmp_path, common, name):
+    """An uninterrupted run of `common` to compare with, then the same run started in the background
+    (stdout piped) for the test to interrupt: (reference folder, run folder, process)."""
+    ref = tmp_path / "uninterrupted"
+    r = _pretrain([*common, f"--run-dir={ref}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = tmp_path / name
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *common, f"--run-dir={run}"], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return ref, run, proc
+
+
+def _resume_equals_reference(ref, run, common, steps, resumed_from=""):
+    """The same command again: it resumes and ends bitwise where the uninterrupted run ended."""
+    r = _pretrain([*common, f"--run-dir={run}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed from step {resumed_from}" in r.stdout
+    step_a, a = _final_params(ref)
+    step_b, b = _final_params(run)
+    assert step_a == step_b == steps
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
@@ -54,13 +77,7 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_exact_resume_after_sigkill(tmp_path, tokenizer_dir):
     common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=12", "--save-every=4"]
-    ref = tmp_path / "uninterrupted"
-    r = _pretrain([*common, f"--run-dir={ref}"])
-    assert r.returncode == 0, r.stderr[-2000:]
-
-    run = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *common, f"--run-dir={run}"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref, run, proc = _reference_then_start(tmp_path, common, "killed")
     deadline = time.time() + 300
     seen = []
     for line in proc.stdout:  # kill the moment the step-8 save has been issued (async write in flight)
@@ -78,13 +95,7 @@ def test_exact_resume_after_sigkill(tmp_path, tokenizer_dir):
     (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234").mkdir(parents=True)
     (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234" / "junk").write_text("half-written")
 
-    r = _pretrain([*common, f"--run-dir={run}"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "resumed from step" in r.stdout
-    step_a, a = _final_params(ref)
-    step_b, b = _final_params(run)
-    assert step_a == step_b == 12
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
+    _resume_equals_reference(ref, run, common, 12)
     assert not (run / "checkpoints" / "9.orbax-checkpoint-tmp-1234").exists()  # cleaned up
 
 
@@ -95,13 +106,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_same_command_resumes_exactly(
     default is 250 steps). Now the step in flight finishes, that step is saved and the run stops with
     exit code 130; the same command resumes there and ends bitwise where an uninterrupted run does."""
     common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=300", "--save-every=0"]
-    ref = tmp_path / "uninterrupted"
-    r = _pretrain([*common, f"--run-dir={ref}"])
-    assert r.returncode == 0, r.stderr[-2000:]
-
-    run = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *common, f"--run-dir={run}"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref, run, proc = _reference_then_start(tmp_path, common, "interrupted")
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -116,13 +121,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_same_command_resumes_exactly(
     assert 5 <= k < 300 and f"step {k:05d} | saving checkpoint\n" in seen
     assert sorted(os.listdir(run / "checkpoints")) == [str(k)] and not (run / "COMPLETE").exists()
 
-    r = _pretrain([*common, f"--run-dir={run}"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert f"resumed from step {k} " in r.stdout
-    step_a, a = _final_params(ref)
-    step_b, b = _final_params(run)
-    assert step_a == step_b == 300
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
+    _resume_equals_reference(ref, run, common, 300, resumed_from=f"{k} ")
 
 
 @pytest.mark.timeout(30)
