@@ -15,6 +15,8 @@ the later stages' model/optimizer opening on top of these; `scripts.pretrain` us
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Callable
 
 
@@ -40,20 +42,16 @@ class StopOnCtrlC:
         self.enabled, self.log, self.requested, self._previous = enabled, log, False, None
 
     def __enter__(self) -> "StopOnCtrlC":
-        import signal
-        import threading
         if self.enabled and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
-        import signal
         self.requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt now
         self.log("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)")
 
     def __exit__(self, *exc) -> None:
-        import signal
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
 
