@@ -266,6 +266,12 @@ def stop(state_dir: str, grace: float = 10.0) -> dict:
             time.sleep(0.05)
         if not _pid_alive(pid):
             break
+    # The supervisor writes the exit code right after the command ends; until then status reads
+    # "exiting" (still running to a caller). Give it a moment, so a stop is seen as done.
+    deadline = time.time() + 5.0
+    while (time.time() < deadline and _read_json(_paths(state_dir)["exit"]) is None
+           and _supervising(run.get("supervisor_pid"))):
+        time.sleep(0.05)
     return {"worker": worker_id(), "stopped": True, "pid": pid}
 
 
