@@ -427,6 +427,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from flaxchat.errors import reexec_with_hugepages
-    reexec_with_hugepages()
+    from flaxchat.errors import tune_cpu_runtime
+    tune_cpu_runtime()
     main()

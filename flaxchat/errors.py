@@ -30,26 +30,45 @@ def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
     return int(result) if isinstance(result, int) else 0
 
 
-def reexec_with_hugepages() -> None:
-    """Restart this process once with glibc's transparent huge pages for malloc.
+# glibc malloc for a training process: transparent huge pages, and freed memory kept for the next
+# step rather than returned to the kernel (no mmap'd chunks, no trimming). See `tune_cpu_runtime`.
+MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:"
+                   "glibc.malloc.trim_threshold=17179869184")
 
-    XLA:CPU allocates fresh large buffers every step; with 4 KiB pages each one page-faults in. With
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 a 2K-token train step ran 19% faster on a 2-core machine
-    (measured with one train step, interleaved). The tunable is read at process start, hence the
-    re-exec; it is skipped when the user set GLIBC_TUNABLES, off Linux, or with
-    FLAXCHAT_NO_HUGEPAGES=1.
 
-    Keeping freed memory in the process too (adding glibc.malloc.arena_max=1, mmap_max=0 and
-    trim_threshold=17179869184, so the step's buffers are not faulted in again) made the main job
-    1-9% faster at 2,048 tokens per step on an Intel Xeon, but 7-8% slower at 16K tokens per step
-    (gradient accumulation), and it held more memory; on AMD (Zen 5) it gained nothing at 2K and was
-    4% slower at 16K. docs/cpu_performance.md has the runs. Set GLIBC_TUNABLES yourself to choose it.
+def tune_cpu_runtime() -> None:
+    """Set up this process's memory for training on a CPU: restart it once with MALLOC_TUNABLES,
+    then run each jitted call on the calling thread (JAX's CPU async dispatch off).
+
+    XLA:CPU takes one block for a train step's temporaries (315 MiB at the main job's depth 4 and
+    2,048 tokens) every step and frees it after. Allocated on a dispatch worker thread, that block
+    is larger than a thread's malloc heap can hold, so glibc maps it fresh and unmaps it each
+    step, and the kernel zeroes and faults it in again: ~600 huge-page faults and 57-99 ms of
+    system CPU per step on a 2-core Intel Xeon, 10% of the step's CPU time. Run on the main thread
+    it comes from the main heap, which these tunables keep: 0-18 faults and 3-8 ms per step, and
+    the step 7-15% faster at 2,048 tokens (the same at 16K tokens per step, where the block is
+    reused over 16 micro-batches); peak RSS unchanged. Huge pages alone made a 2K-token step 19%
+    faster than 4 KiB pages on a 2-core AMD EPYC. docs/cpu_performance.md has the runs.
+    (Keeping freed memory with the step still on a worker thread needs glibc.malloc.arena_max=1,
+    one heap for every thread: 7-8% slower at 16K tokens and twice the RSS.)
+
+    Only training entry points call this. A call returns when its step is done, so Python prepares
+    the next step after it (~6 ms at depth 4) instead of beside it, and batch-1 decoding reads a few
+    percent slower; the chat CLI and web server keep async dispatch. Skipped off Linux, when the
+    user set GLIBC_TUNABLES (their choice is kept, with async dispatch) or with
+    FLAXCHAT_NO_CPU_TUNING=1.
     """
     import os
-    if (not sys.platform.startswith("linux") or "GLIBC_TUNABLES" in os.environ
-            or os.environ.get("FLAXCHAT_NO_HUGEPAGES") == "1" or not getattr(sys, "orig_argv", None)):
+    if (not sys.platform.startswith("linux") or os.environ.get("FLAXCHAT_NO_CPU_TUNING") == "1"
+            or not getattr(sys, "orig_argv", None)):
         return
-    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    if os.environ.get("GLIBC_TUNABLES") == MALLOC_TUNABLES:  # this process runs with them
+        import jax
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # read when the CPU client starts
+        return
+    if "GLIBC_TUNABLES" in os.environ:
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES)
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError:

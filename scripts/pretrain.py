@@ -17,7 +17,7 @@ import sys
 import time
 
 from flaxchat.config import TrainConfig, parse_config
-from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
+from flaxchat.errors import UserError, cli_main, tune_cpu_runtime
 
 HELP = {
     "run_dir": "folder for checkpoints, report, plot and samples",
@@ -370,5 +370,5 @@ def _until_bos(tokens, bos):
 
 
 if __name__ == "__main__":
-    reexec_with_hugepages()
+    tune_cpu_runtime()
     sys.exit(cli_main(main))

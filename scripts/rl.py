@@ -24,7 +24,7 @@ import sys
 import time
 
 from flaxchat.config import parse_config
-from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
+from flaxchat.errors import UserError, cli_main, tune_cpu_runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,5 +287,5 @@ def open_task(spec: str, split: str):
 
 
 if __name__ == "__main__":
-    reexec_with_hugepages()
+    tune_cpu_runtime()
     sys.exit(cli_main(main))

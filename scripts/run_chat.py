@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from flaxchat.errors import cli_main, reexec_with_hugepages
+from flaxchat.errors import cli_main, tune_cpu_runtime
 
 
 def parse_args(argv):
@@ -89,5 +89,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    reexec_with_hugepages()
+    tune_cpu_runtime()
     sys.exit(cli_main(main))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flaxchat.errors import cli_main, reexec_with_hugepages
+from flaxchat.errors import cli_main, tune_cpu_runtime
 from scripts import pretrain
 
 DEFAULTS = dict(
@@ -62,5 +62,5 @@ model.mlir, tokenizer/); --no-export skips that.
 
 
 if __name__ == "__main__":
-    reexec_with_hugepages()
+    tune_cpu_runtime()
     sys.exit(cli_main(main))

@@ -23,7 +23,7 @@ import sys
 import time
 
 from flaxchat.config import parse_config
-from flaxchat.errors import UserError, cli_main, reexec_with_hugepages
+from flaxchat.errors import UserError, cli_main, tune_cpu_runtime
 
 CHECK_PROMPTS = ["Who are you?", "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"]
 
@@ -264,5 +264,5 @@ def check_replies(model, tokenizer, prompts: list[str], max_tokens: int = 64) ->
 
 
 if __name__ == "__main__":
-    reexec_with_hugepages()
+    tune_cpu_runtime()
     sys.exit(cli_main(main))

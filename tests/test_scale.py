@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _scale(*args, timeout=110):
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_HUGEPAGES="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_CPU_TUNING="1")
     env.pop("XLA_FLAGS", None)  # the script sets the fake device count itself
     return subprocess.run([sys.executable, "-m", "bench.scale", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -81,7 +81,7 @@ def test_device_check_quick_prints_one_table():
     """bench.device_check --quick on this CPU: the peak line and a row per kernel that runs here, with
     tok/s, MFU, compile time and XLA's peak memory (CPU keeps no runtime counter). Nothing asserted
     by the script itself; here only that it runs and reports."""
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_HUGEPAGES="1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_CPU_TUNING="1", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     r = subprocess.run([sys.executable, "-m", "bench.device_check", "--quick"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=230)

@@ -136,7 +136,7 @@ def test_fsdp_on_a_device_count_that_does_not_divide_is_one_sentence(tmp_path):
     runs = [[*tiny, "--total-batch-size=128", f"--run-dir={tmp_path / 'a'}"],  # 128 tokens vs 3 x 2 x 32
             [*tiny, "--total-batch-size=192", f"--run-dir={tmp_path / 'b'}"]]  # 3 x 2 x 32: only the width is wrong
     r = subprocess.run([sys.executable, "-c", _PRETRAIN_ON_3_DEVICES, json.dumps(runs)], cwd=ROOT,
-                       env=_worker_env(3, FLAXCHAT_NO_HUGEPAGES="1"), capture_output=True, text=True, timeout=170)
+                       env=_worker_env(3, FLAXCHAT_NO_CPU_TUNING="1"), capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [l for l in r.stdout.splitlines() if l.startswith("CODE")] == ["CODE 2", "CODE 2"], r.stdout
     errs = [e.strip() for e in r.stderr.split("END")[:2]]
