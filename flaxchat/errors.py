@@ -43,14 +43,14 @@ def tune_cpu_runtime() -> None:
     XLA:CPU takes one block for a train step's temporaries (315 MiB at the main job's depth 4 and
     2,048 tokens) every step and frees it after. Allocated on a dispatch worker thread, that block
     is larger than a thread's malloc heap can hold, so glibc maps it fresh and unmaps it each
-    step, and the kernel zeroes and faults it in again: ~600 huge-page faults and 57-99 ms of
+    step, and the kernel zeroes and faults it in again: ~600 huge-page faults and 57-80 ms of
     system CPU per step on a 2-core Intel Xeon, 10% of the step's CPU time. Run on the main thread
     it comes from the main heap, which these tunables keep: 0-18 faults and 3-8 ms per step, and
-    the step 7-15% faster at 2,048 tokens (the same at 16K tokens per step, where the block is
+    the step 7-15% faster at 2,048 tokens (within the noise at 16K tokens per step, where the block is
     reused over 16 micro-batches); peak RSS unchanged. Huge pages alone made a 2K-token step 19%
     faster than 4 KiB pages on a 2-core AMD EPYC. docs/cpu_performance.md has the runs.
     (Keeping freed memory with the step still on a worker thread needs glibc.malloc.arena_max=1,
-    one heap for every thread: 7-8% slower at 16K tokens and twice the RSS.)
+    one heap for every thread: 7-8% slower at 16K tokens and ~1.7x the peak RSS.)
 
     Only training entry points call this. A call returns when its step is done, so Python prepares
     the next step after it (~6 ms at depth 4) instead of beside it, and batch-1 decoding reads a few
