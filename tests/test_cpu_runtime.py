@@ -2,6 +2,7 @@
 runs its jitted calls on the main thread, so the large block XLA:CPU takes for a step's temporaries
 is kept between steps instead of being mapped, faulted in and unmapped every step."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A step-like call: a 256 MiB product as a temporary (larger than a thread's malloc heap can hold),
 # reduced to one number. Page faults per call, after two warm-up calls.
 PROBE = textwrap.dedent("""
-    import json, os, resource, sys
+    import json, os, resource
     from flaxchat.errors import tune_cpu_runtime
     tune_cpu_runtime()
     import jax, jax.numpy as jnp
@@ -36,7 +37,6 @@ def _probe(**env):
     r = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=dict(base, JAX_PLATFORMS="cpu", **env),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    import json
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
