@@ -188,7 +188,7 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
     batch); a Pallas call is not partitioned by the compiler. Off TPU it runs in Pallas interpret
     mode (slow; for tests). The sequence must be a multiple of 128 (the TPU lane width).
     """
-    from flaxchat.sharding import BATCH, MESH_AXES
+    from flaxchat.sharding import BATCH, sharded_mesh
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     B, T, H, D = q.shape
     Hkv = k.shape[2]
@@ -204,8 +204,7 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
         out = jax.vmap(jax.vmap(kern))(qt, kt, vt)  # (b, Hkv, G, t, D)
         return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, H, D)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or tuple(mesh.axis_names) != MESH_AXES:
+    if sharded_mesh() is None:
         return local(q, k, v)
     from jax.sharding import PartitionSpec as P
     spec = P(BATCH, None, None, None)

@@ -216,10 +216,27 @@ def shard_abstract(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mes
         var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where))
 
 
+def sharded_mesh():
+    """The mesh in context when its batch axes are still to be split (a mesh of ours, not inside a
+    shard_map over them); None outside one (e.g. in tests) and inside `data_parallel`'s body."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or tuple(mesh.axis_names) != MESH_AXES or set(BATCH) & set(mesh.manual_axes):
+        return None
+    return mesh
+
+
+def data_parallel_mesh():
+    """The mesh in context when it splits only the batch (the dp layout over several devices:
+    parameters replicated), else None."""
+    mesh = sharded_mesh()
+    if mesh is None or mesh.shape["data"] < 2 or mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1:
+        return None
+    return mesh
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """with_sharding_constraint by logical axes, a no-op outside a mesh context (e.g. in tests)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or tuple(mesh.axis_names) != MESH_AXES:
+    if sharded_mesh() is None:
         return x
     spec = [RULES.get(a) if a else None for a in axes]
     return jax.lax.with_sharding_constraint(x, P(*spec))

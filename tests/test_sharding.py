@@ -228,3 +228,51 @@ def test_fsdp_state_is_born_sharded(tmp_path):
     assert res["random"]["init_temp_b"] < 0.25 * total
     # loaded weights are placed from the host: the program outputs only placeholders for them
     assert res["loaded"]["init_arg_b"] < res["random"]["init_out_b"]
+
+
+_ONE_REDUCE = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from flaxchat import sharding
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+from flaxchat.train import train_step
+
+cfg = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+x = np.random.default_rng(0).integers(0, 256, (3, 4, 32)).astype(np.int32)  # 3 micro-batches of 4 rows
+y = np.roll(x, -1, -1)
+res = {}
+for layout, devices in (("dp", jax.devices()), ("one", jax.devices()[:1])):
+    mesh = sharding.make_mesh(devices, "dp")
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=64), Schedule(10)), wrt=nnx.Param)
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.BATCH))
+        xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+        text = train_step.lower(model, opt, xs, ys).compile().as_text()
+        losses = [float(train_step(model, opt, xs, ys)) for _ in range(3)]
+    # the computations of the compiled module, and which of them are loop bodies
+    blocks = {m.group(1): m.group(0) for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n.*?^\}", text, re.M | re.S)}
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    res[layout] = dict(losses=losses, loops=len(bodies),
+                       reduces=len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)),
+                       reduces_in_loops=sum(len(re.findall(r"all-reduce", blocks.get(b, ""))) for b in bodies))
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_sums_its_rows_then_reduces_once():
+    """On 2 devices in the dp layout a 3-micro-batch step all-reduces once, after the scan (left to
+    the partitioner the gradients were reduced inside it, every micro-batch: 294 ms per reduce
+    between two CPU processes at config A), and trains as one device does."""
+    r = subprocess.run([sys.executable, "-c", _ONE_REDUCE], cwd=ROOT, env=_worker_env(2), capture_output=True,
+                       text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = _result(r.stdout)
+    dp, one = res["dp"], res["one"]
+    assert dp["loops"] >= 1 and dp["reduces_in_loops"] == 0 and dp["reduces"] >= 1, dp
+    assert one["reduces"] == 0, one
+    assert dp["losses"] == pytest.approx(one["losses"], rel=1e-5)
