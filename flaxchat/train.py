@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import ops
 from flaxchat.gpt import GPT
-from flaxchat.sharding import BATCH, data_parallel_mesh
+from flaxchat.sharding import BATCH, data_parallel_mesh, sharded_mesh
 
 
 def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array:
@@ -38,8 +38,38 @@ def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     return jnp.sum(losses), jnp.sum(targets >= 0)
 
 
+def side_by_side(backend: str | None = None, cpuinfo: str | None = None) -> int:
+    """How many micro-batches `lax.scan` runs at once (its unroll): 2 on Intel CPUs, else 1.
+
+    Two micro-batches in one loop body are two independent forward+backward chains, and XLA:CPU
+    runs independent kernels side by side: where one chain's small memory-bound kernels leave a
+    core idle, the other's work fills it. On a 2-core Intel Xeon (AMX) config A's step at 16K
+    tokens went from 2,302-2,363 to 2,210-2,291 ms, and 2K tokens as two halves of 4 rows side by
+    side from 343.7-351.1 to 311.4-334.5 ms (halves one after the other: 342.1-346.3); config B at
+    16K moved within the noise (docs/cpu_performance.md). Not yet measured on an AMD CPU, so 1
+    there. On TPU and GPU memory is what binds, and two micro-batches' activations at once would
+    double it. `cpuinfo`: /proc/cpuinfo's text, for tests."""
+    if (backend or jax.default_backend()) != "cpu":
+        return 1
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return 1
+    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
+    return 2 if vendor == "GenuineIntel" else 1
+
+
 def _gradient_sums(graphdef, params, rest, batches):
-    """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan)."""
+    """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan),
+    `side_by_side()` micro-batches at a time; a single micro-batch is split into that many parts
+    by rows (sums over rows: the same gradient), unless its rows are still to be split between
+    devices."""
+    side = side_by_side()
+    count, rows = batches[0].shape[:2]
+    if side > 1 and count == 1 and rows % side == 0 and sharded_mesh() is None:
+        batches = jax.tree.map(lambda b: b.reshape(side, rows // side, *b.shape[2:]), batches)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def accumulate(carry, batch):
@@ -49,7 +79,7 @@ def _gradient_sums(graphdef, params, rest, batches):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-    return jax.lax.scan(accumulate, init, batches)[0]
+    return jax.lax.scan(accumulate, init, batches, unroll=side)[0]
 
 
 def _device_sums_then_one_reduce(graphdef, mesh):

@@ -270,3 +270,32 @@ def test_corrupt_checkpoint_is_reported_and_kept(capsys, tmp_path, tokenizer_dir
     after = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
     assert set(before) <= set(after)  # nothing the user had was removed
     assert (step_dir / "meta" / "metadata").read_text() == "{not json"
+
+
+def test_side_by_side_micro_batches_are_chosen_by_the_cpu():
+    from flaxchat.train import side_by_side
+    intel, amd = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16\n", "vendor_id\t: AuthenticAMD\nflags\t\t: avx512f\n"
+    assert side_by_side("cpu", intel) == 2
+    assert side_by_side("cpu", amd) == side_by_side("cpu", "") == 1  # not measured there yet
+    assert side_by_side("tpu", intel) == side_by_side("gpu", intel) == 1  # memory binds there
+
+
+@pytest.mark.parametrize("count,rows", [(1, 4), (4, 2), (3, 2), (1, 3)])
+def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows):
+    """Micro-batches two at a time (and one micro-batch split into two halves of its rows) give
+    the sums one at a time gives, to float rounding; odd counts and rows still work."""
+    import flaxchat.train as train
+    cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    graphdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    x = np.random.default_rng(0).integers(0, 300, (count, rows, 32)).astype(np.int32)
+    y = np.roll(x, -1, -1)
+    y[..., :5] = -1  # masked targets are not counted
+    out = {}
+    for side in (1, 2):
+        monkeypatch.setattr(train, "side_by_side", lambda *a, side=side: side)
+        out[side] = jax.jit(lambda p, r, b: train._gradient_sums(graphdef, p, r, b))(params, rest, (x, y))
+    (g1, l1, n1), (g2, l2, n2) = out[1], out[2]
+    assert int(n1) == int(n2) == count * rows * 27
+    assert float(l2) == pytest.approx(float(l1), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
