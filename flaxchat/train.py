@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import ops
 from flaxchat.gpt import GPT
-from flaxchat.sharding import BATCH, data_parallel_mesh, sharded_mesh
+from flaxchat.sharding import BATCH, data_parallel_mesh
 
 
 def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array:
@@ -43,12 +43,13 @@ def side_by_side(backend: str | None = None, cpuinfo: str | None = None) -> int:
 
     Two micro-batches in one loop body are two independent forward+backward chains, and XLA:CPU
     runs independent kernels side by side: where one chain's small memory-bound kernels leave a
-    core idle, the other's work fills it. On a 2-core Intel Xeon (AMX) config A's step at 16K
-    tokens went from 2,302-2,363 to 2,210-2,291 ms, and 2K tokens as two halves of 4 rows side by
-    side from 343.7-351.1 to 311.4-334.5 ms (halves one after the other: 342.1-346.3); config B at
-    16K moved within the noise (docs/cpu_performance.md). Not yet measured on an AMD CPU, so 1
-    there. On TPU and GPU memory is what binds, and two micro-batches' activations at once would
-    double it. `cpuinfo`: /proc/cpuinfo's text, for tests."""
+    core idle, the other's work fills it. On a 2-core Intel Xeon (AMX), config A's step at 16K
+    tokens (16 micro-batches of 4 rows) took 1,995-2,047 ms against 2,127-2,199 one at a time (four
+    interleaved rounds); config B at 16K moved within the noise. One micro-batch split into two
+    halves side by side gained nothing at 2K tokens (312-323 against 312-318 ms), so a step of one
+    micro-batch stays whole. Not yet measured on an AMD CPU, so 1 there. On TPU and GPU memory is
+    what binds, and two micro-batches' activations at once would double it. `cpuinfo`:
+    /proc/cpuinfo's text, for tests; docs/cpu_performance.md has the runs."""
     if (backend or jax.default_backend()) != "cpu":
         return 1
     if cpuinfo is None:
@@ -63,13 +64,7 @@ def side_by_side(backend: str | None = None, cpuinfo: str | None = None) -> int:
 
 def _gradient_sums(graphdef, params, rest, batches):
     """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan),
-    `side_by_side()` micro-batches at a time; a single micro-batch is split into that many parts
-    by rows (sums over rows: the same gradient), unless its rows are still to be split between
-    devices."""
-    side = side_by_side()
-    count, rows = batches[0].shape[:2]
-    if side > 1 and count == 1 and rows % side == 0 and sharded_mesh() is None:
-        batches = jax.tree.map(lambda b: b.reshape(side, rows // side, *b.shape[2:]), batches)
+    `side_by_side()` micro-batches at a time."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def accumulate(carry, batch):
@@ -79,7 +74,7 @@ def _gradient_sums(graphdef, params, rest, batches):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-    return jax.lax.scan(accumulate, init, batches, unroll=side)[0]
+    return jax.lax.scan(accumulate, init, batches, unroll=side_by_side())[0]
 
 
 def _device_sums_then_one_reduce(graphdef, mesh):
