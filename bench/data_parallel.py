@@ -23,7 +23,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 ROLE = "FLAXCHAT_BENCH_DP_ROLE"  # set in the processes the bench starts: "worker"
 
@@ -42,7 +41,7 @@ def worker(config: str, accum: int, rows: int, steps: int) -> dict:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bench.train_throughput import CONFIGS, step_optim
+    from bench.train_throughput import CONFIGS, _median_ms, step_optim
     from flaxchat.common import compute_init
     from flaxchat.gpt import GPT
     from flaxchat.optim import Schedule, build_optimizer
@@ -55,13 +54,7 @@ def worker(config: str, accum: int, rows: int, steps: int) -> dict:
     out = dict(processes=n)
 
     def median_ms(fn) -> float:
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t)
-        return float(np.median(times)) * 1e3
+        return _median_ms(fn, steps)
 
     with jax.set_mesh(compute.mesh):
         model = GPT(cfg, rngs=nnx.Rngs(0))

@@ -241,7 +241,7 @@ from flaxchat.optim import OptimConfig, Schedule, build_optimizer
 from flaxchat.train import train_step
 
 cfg = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-x = np.random.default_rng(0).integers(0, 256, (3, 4, 32)).astype(np.int32)  # 3 micro-batches of 4 rows
+x = np.random.default_rng(0).integers(0, 256, (6, 4, 32)).astype(np.int32)  # 6 micro-batches of 4 rows (a loop of 3 trips side by side)
 y = np.roll(x, -1, -1)
 res = {}
 for layout, devices in (("dp", jax.devices()), ("one", jax.devices()[:1])):
@@ -265,7 +265,7 @@ print("RESULT " + json.dumps(res))
 
 @pytest.mark.timeout(300)
 def test_data_parallel_sums_its_rows_then_reduces_once():
-    """On 2 devices in the dp layout a 3-micro-batch step all-reduces once, after the scan (left to
+    """On 2 devices in the dp layout a 6-micro-batch step all-reduces once, after the scan (left to
     the partitioner the gradients were reduced inside it, every micro-batch: 294 ms per reduce
     between two CPU processes at config A), and trains as one device does."""
     r = subprocess.run([sys.executable, "-c", _ONE_REDUCE], cwd=ROOT, env=_worker_env(2), capture_output=True,
