@@ -53,9 +53,6 @@ def worker(config: str, accum: int, rows: int, steps: int) -> dict:
     cfg = CONFIGS[config]["cfg"]
     out = dict(processes=n)
 
-    def median_ms(fn) -> float:
-        return _median_ms(fn, steps)
-
     with jax.set_mesh(compute.mesh):
         model = GPT(cfg, rngs=nnx.Rngs(0))
         opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000)), wrt=nnx.Param)
@@ -68,7 +65,7 @@ def worker(config: str, accum: int, rows: int, steps: int) -> dict:
                      "flat": lambda *g: jax.lax.psum(jnp.concatenate([x.reshape(-1) for x in g]), BATCH)}
             for name, form in forms.items():
                 reduce = jax.jit(jax.shard_map(form, mesh=compute.mesh, in_specs=spec, out_specs=P()))
-                out[f"allreduce_{name}_ms"] = median_ms(lambda: reduce(*grads))
+                out[f"allreduce_{name}_ms"] = _median_ms(lambda: reduce(*grads), steps)
             out["allreduce_mb"] = 4 * sum(sizes) / 1e6
             out["allreduce_arrays"] = len(sizes)
 
@@ -80,7 +77,7 @@ def worker(config: str, accum: int, rows: int, steps: int) -> dict:
         text = train_step.lower(model, opt, x, y).compile().as_text()
         out["step_allreduces"] = len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))
         step = nnx.cached_partial(train_step, model, opt)
-        out["step_ms"] = median_ms(lambda: step(x, y))
+        out["step_ms"] = _median_ms(lambda: step(x, y), steps)
         out["tokens"] = accum * rows * cfg.sequence_len
     return out
 
@@ -101,18 +98,19 @@ def _run(procs: int, args) -> dict:
                              preexec_fn=(lambda c=cores[i % len(cores)]: os.sched_setaffinity(0, {c})) if procs > 1 else None)
         started.append(p)
     results = []
-    for p in started:
-        try:
-            stdout, stderr = p.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for q in started:
-                q.kill()
-            raise SystemExit(f"bench.data_parallel: {procs} process(es) did not finish in {args.timeout} s")
-        if p.returncode != 0:
-            for q in started:
-                q.kill()
-            raise SystemExit(f"bench.data_parallel: a process exited with {p.returncode}:\n{stderr[-3000:]}")
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    try:
+        for p in started:
+            try:
+                stdout, stderr = p.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"bench.data_parallel: {procs} process(es) did not finish in {args.timeout} s")
+            if p.returncode != 0:
+                raise SystemExit(f"bench.data_parallel: a process exited with {p.returncode}:\n{stderr[-3000:]}")
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:  # one process failing leaves the others waiting on it
+        for p in started:
+            if p.poll() is None:
+                p.kill()
     return results[0]
 
 

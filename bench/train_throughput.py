@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import ops
-from flaxchat.common import matmul_flops
+from flaxchat.common import matmul_flops, read_cpuinfo
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
 from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
@@ -319,11 +319,7 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
 def cpu_line() -> str:
     """`cpu: <model name> (cpu family F, model M; its matrix flags)`, as every CPU bench prints it."""
     import platform
-    info = {}  # the first "model name" and "flags" lines of /proc/cpuinfo (Linux)
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
+    info = read_cpuinfo()  # empty off Linux
     cpu = info.get("model name") or platform.processor() or "unknown CPU"
     flags = info.get("flags", "").split()
     matrix_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]

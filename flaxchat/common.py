@@ -94,6 +94,23 @@ def compute_init(dtype: str = "auto", sharding: str = "dp") -> Compute:
                    backend=jax.default_backend(), compute_dtype=compute_dtype)
 
 
+def read_cpuinfo(text: str | None = None) -> dict[str, str]:
+    """The first value of each key of /proc/cpuinfo ("model name", "flags", "vendor_id", ...), or
+    of `text` (that file's contents, for tests); empty off Linux."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+        except OSError:
+            return {}
+    info = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            info.setdefault(key.strip(), value.strip())
+    return info
+
+
 def print0(*args, **kwargs) -> None:
     """Print on process 0 only, flushed (logs are tailed by the launcher)."""
     if jax.process_index() == 0:

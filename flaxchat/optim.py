@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flaxchat.common import read_cpuinfo
 from flaxchat.config import LR
 from flaxchat.ops import stored_transpose
 
@@ -245,13 +246,7 @@ BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot-produc
 def cpu_has_bf16_dots(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 dot-product instructions (the flags of /proc/cpuinfo, so Linux;
     elsewhere False). `cpuinfo`: that file's text, for tests."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    flags = read_cpuinfo(cpuinfo).get("flags", "").split()
     return any(flag in flags for flag in BF16_DOT_FLAGS)
 
 

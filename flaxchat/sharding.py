@@ -218,7 +218,8 @@ def shard_abstract(model: nnx.Module, optimizer: nnx.Optimizer | None, mesh: Mes
 
 def sharded_mesh():
     """The mesh in context when its batch axes are still to be split (a mesh of ours, not inside a
-    shard_map over them); None outside one (e.g. in tests) and inside `data_parallel`'s body."""
+    shard_map over them); None outside one (e.g. in tests) and inside the shard_map of
+    `train._device_sums_then_one_reduce`."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or tuple(mesh.axis_names) != MESH_AXES or set(BATCH) & set(mesh.manual_axes):
         return None

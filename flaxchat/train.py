@@ -19,6 +19,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import ops
+from flaxchat.common import read_cpuinfo
 from flaxchat.gpt import GPT
 from flaxchat.sharding import BATCH, data_parallel_mesh
 
@@ -52,14 +53,7 @@ def side_by_side(backend: str | None = None, cpuinfo: str | None = None) -> int:
     /proc/cpuinfo's text, for tests; docs/cpu_performance.md has the runs."""
     if (backend or jax.default_backend()) != "cpu":
         return 1
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return 1
-    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
-    return 2 if vendor == "GenuineIntel" else 1
+    return 2 if read_cpuinfo(cpuinfo).get("vendor_id") == "GenuineIntel" else 1
 
 
 def _gradient_sums(graphdef, params, rest, batches):
