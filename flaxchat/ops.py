@@ -571,13 +571,25 @@ def softcap_cross_entropy(z: jax.Array, labels: jax.Array, cap: float) -> jax.Ar
     return _capped_ce(z, labels, cap) if _on_cpu() else _capped_ce_loss(z, labels, cap)[0]
 
 
+# Up to this cap the soft-capped logits s = cap·tanh(z/cap) need no row maximum before exp: exp(s -
+# cap) lies in (e^(-2·cap), 1], within fp32's normal range (down to e^(-87)) for every logit.
+FIXED_SHIFT_CAP = 40.0
+
+
 def _capped_ce_loss(z, labels, cap):
-    """(loss, (s, lse)): the loss, the soft-capped logits s and the log-sum-exp of each row."""
-    s = softcap(z, cap)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(s - m), axis=-1)) + m[..., 0]
-    sy = jnp.take_along_axis(s, labels[..., None], axis=-1)[..., 0]
-    return lse - sy, (s, lse)
+    """(loss, (t, e, sum of e)): the loss, tanh(z/cap), exp(s - shift) and its row sums.
+
+    The shift is the cap itself up to FIXED_SHIFT_CAP (no pass for the row maximum), else each
+    row's maximum of s."""
+    t = jnp.tanh(z / cap)
+    if cap <= FIXED_SHIFT_CAP:
+        shift = jnp.full(t.shape[:-1] + (1,), cap, t.dtype)
+    else:
+        shift = cap * jnp.max(t, axis=-1, keepdims=True)
+    e = jnp.exp(cap * t - shift)
+    se = jnp.sum(e, axis=-1)
+    ty = jnp.take_along_axis(t, labels[..., None], axis=-1)[..., 0]
+    return jnp.log(se) + shift[..., 0] - cap * ty, (t, e, se)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -586,32 +598,39 @@ def _capped_ce(z, labels, cap):
 
 
 def _capped_ce_fwd(z, labels, cap):
-    """Keeps the soft-capped logits s for the backward, not the raw z: z then dies with the forward.
+    """Keeps tanh(z/cap) and the exponentials for the backward, not the raw z (z dies with the
+    forward), so the backward computes no exp.
 
     Saving z held a second logits-sized buffer from the forward to the backward: config A's train
     step (8 x 256 tokens, 4,096-token vocab) needed a 347.6 MiB temporary arena with it and 315.6
     MiB with s (`compiled.memory_analysis()`), and XLA:CPU maps and faults in that arena afresh
     every step. The step, paired by round in one process (2-core Intel Xeon with AMX): 11.0 and
     5.1 ms faster at the median (30 rounds each, faster in 73% and 67%); pinned to one core, 19.9
-    ms of 722. The gradients are bit-identical (the 20 fp32 steps of `bench.same_losses`: the same
-    losses but for the last bit of two, where the label's capped logit is now read from s).
+    ms of 722.
+
+    Then s, computed again in the backward (exp(s - lse)), gave way to tanh and the exponentials
+    themselves: an exp per logit is dearer on XLA:CPU than writing and reading one more
+    logits-sized array. The LM head with its loss, forward+backward at one 1,024 x 4,096 micro-batch
+    (2-core Intel Xeon with AMX, 60 interleaved rounds, the training processes' malloc tuning):
+    28.75 -> 26.40 ms, pinned to one core 52.3 -> 46.5; the main job's step (8 x 256 tokens) in five
+    alternating pairs of fresh processes, 335.8 -> 328.7 ms on the means, faster in all five.
+    docs/cpu_performance.md has the runs.
     """
-    loss, (s, lse) = _capped_ce_loss(z, labels, cap)
-    return loss, (s, labels, lse)
+    loss, (t, e, se) = _capped_ce_loss(z, labels, cap)
+    return loss, (t, e, se, labels)
 
 
 def _capped_ce_bwd(cap, res, g):
-    """dz = g·(softmax - onehot)·(1 - tanh²) in one pass over the saved soft-capped logits.
+    """dz = g·(softmax - onehot)·(1 - tanh²) in one pass over what the forward kept.
 
     Autodiff of the composition (optax's cross-entropy on cap·tanh(z/cap)) wrote five
     logits-sized arrays per step (tanh, exp, its product with the row's gradient, a scatter of the
     labels' -1 into a copy, the tanh derivative); this writes one. The LM head's forward+backward
     at config A's 2,048 x 4,096 logits (2-core AMD EPYC, interleaved): 60.5 -> 55.7 ms.
     """
-    s, labels, lse = res
-    t = s * (1.0 / cap)  # tanh(z/cap); XLA:CPU reads the forward's tanh for it
-    p = jnp.exp(s - lse[..., None])
-    hot = jnp.arange(s.shape[-1]) == labels[..., None]
+    t, e, se, labels = res
+    p = e * (1.0 / se)[..., None]  # the softmax
+    hot = jnp.arange(t.shape[-1]) == labels[..., None]
     return g[..., None] * (p - hot) * (1 - t * t), None
 
 
