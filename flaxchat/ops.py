@@ -614,7 +614,10 @@ def _capped_ce_fwd(z, labels, cap):
     (2-core Intel Xeon with AMX, 60 interleaved rounds, the training processes' malloc tuning):
     28.75 -> 26.40 ms, pinned to one core 52.3 -> 46.5; the main job's step (8 x 256 tokens) in five
     alternating pairs of fresh processes, 335.8 -> 328.7 ms on the means, faster in all five.
-    docs/cpu_performance.md has the runs.
+    The price is that second logits-sized buffer again: the step's temporary arena went from 315.6
+    back to 347.6 MiB at that shape, 327.0 -> 342.1 MiB at 16 x 4 x 256 tokens (the training
+    processes' malloc tuning, `errors.tune_cpu_runtime`, keeps the arena between steps now, so it
+    is not faulted in afresh). docs/cpu_performance.md has the runs.
     """
     loss, (t, e, se) = _capped_ce_loss(z, labels, cap)
     return loss, (t, e, se, labels)

@@ -160,7 +160,7 @@ def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient(
     """The fused loss (on CPU its own backward from the raw logits) against autodiff of optax's
     cross-entropy on cap·tanh(z/cap), with logits big enough that the cap bends them. One row has
     every logit far below zero: with a cap above ops.FIXED_SHIFT_CAP, exp(s - cap) would underflow
-    to 0 there and the loss be infinite, so the row maximum is taken."""
+    to 0 there and the loss be -inf, so the row maximum is taken."""
     import optax
     rng = np.random.default_rng(7)
     z = rng.standard_normal((3, 7, 50), np.float32) * 20
