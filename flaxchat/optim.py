@@ -107,12 +107,15 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     run) or BF16_PRODUCTS (see there; what `orthogonalisation_dtype` says about each).
     """
     mixed = isinstance(dtype, str) and dtype == BF16_PRODUCTS
-    x = g.astype(jnp.float32 if mixed else dtype)
-    xf = x.astype(jnp.float32)
-    target = jnp.linalg.norm(xf) / math.sqrt(x.shape[1])
-    col = jnp.maximum(jnp.linalg.norm(xf, axis=0, keepdims=True), 1e-6)
-    x = x * (target / col).astype(x.dtype)
-    x = x / (jnp.linalg.norm(x) * 1.01 + 1e-6)
+    work = jnp.float32 if mixed else dtype
+    xf = g.astype(work).astype(jnp.float32)
+    # Both normalisations from one pass of column sums of squares: the equilibrated matrix's norm
+    # follows from them (||x·s||² = Σ_j s_j²·||x_j||²), so x is read once and scaled once (three
+    # norms and two scalings before: more small kernels than the iteration's products on CPU).
+    sq = jnp.sum(xf * xf, axis=0, keepdims=True)
+    target = jnp.sqrt(jnp.sum(sq) / g.shape[1])
+    s = target / jnp.maximum(jnp.sqrt(sq), 1e-6)
+    x = (xf * (s / (jnp.sqrt(jnp.sum(s * s * sq)) * 1.01 + 1e-6))).astype(work)
     if uses_gram_form(x.shape, dtype):
         return _gram_form(x, steps).astype(g.dtype)
 
@@ -169,13 +172,6 @@ def _gram_form(x: jax.Array, steps: int) -> jax.Array:
     return x @ product if tall else product @ x
 
 
-def renormalise(o: jax.Array) -> jax.Array:
-    """Muon+ (arXiv 2602.21545): snap the Frobenius norm to sqrt(min(m, n)), the norm of an exactly
-    semi-orthogonal matrix, correcting for the polar iteration's under-convergence."""
-    norm = jnp.maximum(jnp.linalg.norm(o.astype(jnp.float32)), 1e-6)
-    return o * (math.sqrt(min(o.shape)) / norm).astype(o.dtype)
-
-
 class MuonState(NamedTuple):
     count: jax.Array
     momentum: optax.Updates
@@ -204,8 +200,7 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         def one(g, m, v, p):
             m = m + (1 - mom) * (g - m)  # momentum buffer: lerp towards g
             g = g + mom * (m - g)  # Nesterov: lerp g towards the buffer
-            o = renormalise(polar_express(g, ns_steps, ns_dtype))
-            o, v = _normuon(o, v, beta2)
+            o, v = _renormalise_normuon(polar_express(g, ns_steps, ns_dtype), v, beta2)
             lr_p = lr * jnp.sqrt(jnp.maximum(1.0, p.shape[1] / p.shape[0]))
             mask = (o * p) >= 0  # cautious weight decay: only where update and weight agree in sign
             return -(lr_p * o + lr_p * wd * p * mask).astype(p.dtype), m, v
@@ -226,18 +221,26 @@ def _reduced_shape(shape):
     return tuple(1 if i == ax else n for i, n in enumerate(shape))
 
 
-def _normuon(o: jax.Array, v: jax.Array, beta2: float):
-    """NorMuon: normalise per output row/column by a running second moment, keep the total norm."""
+def _renormalise_normuon(o: jax.Array, v: jax.Array, beta2: float):
+    """Muon+ (arXiv 2602.21545), then NorMuon, from one pass of sums of squares over o.
+
+    Muon+ snaps the Frobenius norm to sqrt(min(m, n)), the norm of an exactly semi-orthogonal
+    matrix, correcting for the polar iteration's under-convergence: o·r. NorMuon then normalises
+    per output row/column by a running second moment and keeps the total norm. Both read the
+    squares of o along NorMuon's axis (their sum is ||o||², and o·r's are r² times them), so o is
+    read once and scaled once."""
     ax = _reduce_axis(o.shape)
     of = o.astype(jnp.float32)
-    v_mean = jnp.mean(of * of, axis=ax, keepdims=True)
     n = o.shape[ax]
+    sq = jnp.sum(of * of, axis=ax, keepdims=True)
+    r = math.sqrt(min(o.shape)) / jnp.maximum(jnp.sqrt(jnp.sum(sq)), 1e-6)
+    v_mean = sq * (r * r / n)
     v_norm = jnp.sqrt(jnp.sum(v_mean) * n)
     v = v + (1 - beta2) * (v_mean.astype(v.dtype) - v)
     step_size = jax.lax.rsqrt(jnp.maximum(v.astype(jnp.float32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v_mean * n * step_size * step_size))
     scale = step_size * (v_norm / jnp.maximum(v_norm_new, 1e-10))
-    return (of * scale).astype(o.dtype), v
+    return (of * (r * scale)).astype(o.dtype), v
 
 
 BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot-product instructions
