@@ -314,3 +314,19 @@ def test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence():
     assert abs(losses["float32"][4] - losses["bf16-products"][4]) < 1e-3 * losses["float32"][4]
     with pytest.raises(UserError, match="--ns-dtype must be auto, float32, bfloat16 or bf16-products"):
         TrainConfig(ns_dtype="fp8").validate()
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64)])
+def test_one_pass_normalisation_equals_the_three_norms(shape):
+    """MuonEq and the Frobenius pre-normalisation from one pass of column sums of squares (fp32)
+    equal the three-norm form in float64, and leave the matrix at norm 1/1.01 with equal columns."""
+    from flaxchat.optim import _normalised
+    rng = np.random.default_rng(5)
+    g = rng.normal(size=shape) * np.exp(rng.uniform(np.log(1e-3), np.log(1e2), size=(1, shape[1])))
+    x = g * (np.linalg.norm(g) / math.sqrt(shape[1]) / np.maximum(np.linalg.norm(g, axis=0, keepdims=True), 1e-6))
+    ref = x / (np.linalg.norm(x) * 1.01 + 1e-6)
+    out = np.asarray(_normalised(jnp.asarray(g, jnp.float32), jnp.float32), np.float64)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-9)
+    assert abs(np.linalg.norm(out) - 1 / 1.01) < 1e-5
+    cols = np.linalg.norm(out, axis=0)
+    assert cols.max() / cols.min() < 1 + 1e-5
