@@ -27,6 +27,11 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
   fwd+bwd    every micro-batch's forward and backward, the accumulation and the scan
   update     the optimizer: muon-ns (Polar Express as it costs inside the step, in the dtype the header
              names) + rest (momentum, MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
+  Under each difference, the middle half of the rounds' own differences (a round's steps run back to
+  back). On a shared 2-core host one 2K-token step can differ from the next by 10%, so a phase of a
+  few percent of config A's step needs many rounds: on one Intel Xeon within the hour, muon-ns read
+  69.0 ms (17.6% of the step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its
+  rounds' middle half 31-71 ms.
   ns-fp32, ns-bf16, ns-bf16p  Polar Express alone on the model's gradients, jitted on its own, in each
              dtype (bf16p: optim.BF16_PRODUCTS), and how much bf16 and bf16p change the update against
              fp32 (what `optim.orthogonalisation_dtype` weighs)
@@ -165,7 +170,10 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     Three copies of the real train step (same jit, donation and scan) run in interleaved rounds, so a
     machine that speeds up or slows down mid-run moves all of them alike: the full step; the step
     with Polar Express's iterations removed (ns_steps=0); and the step with a no-op optimizer (adds
-    0 x gradient). Their differences are the phases as they cost inside the step."""
+    0 x gradient). Their differences are the phases as they cost inside the step. "spread" holds,
+    for each difference, the quartiles of the rounds' own differences (each round's two steps run
+    back to back): how far one reading can move on this host, which a difference of two medians
+    does not show."""
     import optax
     from flaxchat.train import token_losses
     rng = np.random.default_rng(seed)
@@ -186,6 +194,10 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             step(x, y).block_until_ready()
             times[name].append(time.perf_counter() - t)
     ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    rounds = {k: np.asarray(v) * 1e3 for k, v in times.items()}
+    pairs = {"update": ("full", "noop"), "muon-ns": ("full", "no-ns"), "rest": ("no-ns", "noop")}
+    spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 75]))
+              for phase, (a, b) in pairs.items()}
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
     model = models["full"]
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
@@ -208,7 +220,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             "ns-fp32": (alone["float32"][0], flops["float32"]),
             "ns-bf16": (alone["bfloat16"][0], flops["bfloat16"]),
             "ns-bf16p": (alone[BF16_PRODUCTS][0], flops[BF16_PRODUCTS]),
-            "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}}
+            "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}, "spread": spread}
 
 
 ABLATIONS = {  # name -> {ops function replaced: its stand-in}; the stand-ins keep every input used
@@ -396,13 +408,16 @@ def main(argv=None):
                 first = len(probe.samples)
                 split = phases(cfg, rows, accum, args.steps, probe=probe)
                 peak = float(np.median(probe.samples[first:]))  # the peak of these rounds
-                diffs = split.pop("diff")
+                diffs, spread = split.pop("diff"), split.pop("spread")
                 step_ms = split["step"][0]
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / step_ms:5.1f}% of the step"
                     at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops and ms > 0 else ""
                     at_peak += noise_note(phase, ms, flops, peak)
                     print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}  {PHASES[phase]}", flush=True)
+                    if phase in spread:
+                        lo, hi = spread[phase]
+                        print(f"{'':6}   {'':10} rounds' own differences, middle half: {lo:.1f} to {hi:.1f} ms", flush=True)
                 print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
                       f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e} (median relative Frobenius difference over "
                       "the block matrices)", flush=True)
