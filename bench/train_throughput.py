@@ -193,8 +193,8 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             t = time.perf_counter()
             step(x, y).block_until_ready()
             times[name].append(time.perf_counter() - t)
-    ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
     rounds = {k: np.asarray(v) * 1e3 for k, v in times.items()}
+    ms = {k: float(np.median(v)) for k, v in rounds.items()}
     pairs = {"update": ("full", "noop"), "muon-ns": ("full", "no-ns"), "rest": ("no-ns", "noop")}
     spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 75]))
               for phase, (a, b) in pairs.items()}
