@@ -113,7 +113,8 @@ def _median_ms(fn, steps: int) -> float:
 
 
 MODES = ("baseline", "flaxchat", "flaxchat16k")
-DIFFERENCES = ("update", "muon-ns", "rest")  # phases that are differences of two timed steps
+# Phases that are differences of two timed steps: phase -> (step variant, minus this variant).
+DIFFERENCES = {"update": ("full", "noop"), "muon-ns": ("full", "no-ns"), "rest": ("no-ns", "noop")}
 PHASES = {
     "step": "(the full step, timed interleaved with the two below)",
     "fwd+bwd": "(the step with a no-op optimizer)",
@@ -195,9 +196,9 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             times[name].append(time.perf_counter() - t)
     rounds = {k: np.asarray(v) * 1e3 for k, v in times.items()}
     ms = {k: float(np.median(v)) for k, v in rounds.items()}
-    pairs = {"update": ("full", "noop"), "muon-ns": ("full", "no-ns"), "rest": ("no-ns", "noop")}
+    between = {phase: ms[a] - ms[b] for phase, (a, b) in DIFFERENCES.items()}
     spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 75]))
-              for phase, (a, b) in pairs.items()}
+              for phase, (a, b) in DIFFERENCES.items()}
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
     model = models["full"]
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
@@ -214,9 +215,9 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     flops = {dtype: sum(ns_flops(g.shape, 5, dtype) for g in mats) for dtype in alone}
     return {"step": (ms["full"], None),
             "fwd+bwd": (ms["noop"], tokens * estimate_flops(model, window_aware=False)),
-            "update": (ms["full"] - ms["noop"], None),
-            "muon-ns": (ms["full"] - ms["no-ns"], flops[variants["full"].ns_dtype]),
-            "rest": (ms["no-ns"] - ms["noop"], None),
+            "update": (between["update"], None),
+            "muon-ns": (between["muon-ns"], flops[variants["full"].ns_dtype]),
+            "rest": (between["rest"], None),
             "ns-fp32": (alone["float32"][0], flops["float32"]),
             "ns-bf16": (alone["bfloat16"][0], flops["bfloat16"]),
             "ns-bf16p": (alone[BF16_PRODUCTS][0], flops[BF16_PRODUCTS]),
