@@ -5,8 +5,7 @@
     python -m bench.train_throughput --configs A --modes flaxchat --phases --profile
     python -m bench.train_throughput --configs S --steps 1 --phases    # a smoke size: does the bench run here
 
-Peak = a jitted fp32 2048³ matmul, timed here beside every measured step (a shared host drifts);
-one core's main-memory copy is timed at the start and the end, the other thing a neighbour takes.
+Peak = a jitted fp32 2048³ matmul, timed here beside every measured step (a shared host drifts).
 MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak (the plain formula, full T for every layer), per
 round against that round's peak, the median over rounds; the `peak` column is the rounds' median,
 and a closing line divides every row by the run's best peak instead. Modes per config:
@@ -101,24 +100,6 @@ class PeakProbe:
     def sample(self) -> float:
         self.samples.append(matmul_flops(2048, jnp.float32, reps=2))
         return self.samples[-1]
-
-
-def copy_bandwidth(mib: int = 256, reps: int = 3) -> float:
-    """Bytes/s one core moves copying `mib` MiB between two arrays it has already touched (each byte
-    read once and written once), the fastest of `reps`.
-
-    The 2048³ peak runs in the cores' caches; a neighbour on a shared host can also take main memory
-    away, and that the peak does not show. On a 2-core Intel Xeon (cpu family 6, model 167) config
-    A's 16K step read 3,000-3,470 ms beside a 250-281 GFLOP/s peak in an hour when this copy read 24
-    GB/s, against 2,369-2,554 ms beside 242-290 GFLOP/s the day before (docs/cpu_performance.md)."""
-    src = np.ones(mib << 18, np.float32)
-    dst = np.zeros_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best
 
 
 def _median_ms(fn, steps: int) -> float:
@@ -393,11 +374,9 @@ def main(argv=None):
 
     probe = PeakProbe()
     peak = probe.sample()
-    copy_start = copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
           f"fp32 2048^3 matmul peak at the start: {peak / 1e9:.0f} GFLOP/s (each MFU below divides by the peak "
-          f"timed beside each step), one core's main-memory copy at the start: {copy_start / 1e9:.1f} GB/s "
-          f"(bench.train_throughput.copy_bandwidth); the flaxchat modes' Polar Express in "
+          f"timed beside each step); the flaxchat modes' Polar Express in "
           f"{orthogonalisation_dtype(jax.default_backend())} (optim.orthogonalisation_dtype), its micro-batches "
           f"{side_by_side()} at a time (train.side_by_side)")
     print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'peak':>7} {'compile':>8}")
@@ -456,8 +435,6 @@ def main(argv=None):
     best = max(probe.samples)
     print(f"MFU against the best peak of this run ({best / 1e9:.0f} GFLOP/s): "
           + ", ".join(f"{c} {m} {100 * f / best:.1f}%" for c, m, f in rows_seen))
-    print(f"one core's main-memory copy at the end: {copy_bandwidth() / 1e9:.1f} GB/s "
-          f"({copy_start / 1e9:.1f} at the start)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB")
 
