@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8, help="rows of 256 tokens per micro-batch (default 8)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (default 1)")
-    ap.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16", "bf16-products", "auto"],
+    ap.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16", "bf16-products", "bf16-operands", "auto"],
                     help="Polar Express's dtype (default float32, the same on every machine; auto: what "
                          "pretraining picks on this one)")
     ap.add_argument("--out", help="write the losses to this JSON file")

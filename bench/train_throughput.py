@@ -32,9 +32,10 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
   few percent of config A's step needs many rounds: on one Intel Xeon within the hour, muon-ns read
   69.0 ms (17.6% of the step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its
   rounds' middle half 31-71 ms.
-  ns-fp32, ns-bf16, ns-bf16p  Polar Express alone on the model's gradients, jitted on its own, in each
-             dtype (bf16p: optim.BF16_PRODUCTS), and how much bf16 and bf16p change the update against
-             fp32 (what `optim.orthogonalisation_dtype` weighs)
+  ns-fp32, ns-bf16, ns-bf16p, ns-bf16o  Polar Express alone on the model's gradients, jitted on its
+             own, in each dtype (bf16p: optim.BF16_PRODUCTS, bf16o: optim.BF16_OPERANDS), and how much
+             bf16, bf16p and bf16o change the update against fp32 (what `optim.orthogonalisation_dtype`
+             weighs)
 
 `--profile` adds, for the flaxchat modes, one step's kernels by kind (XLA:CPU trace; bench/profiling.py);
 `--cycles` where the process's CPU time goes over `--steps` steps by kind, with the user and system CPU
@@ -60,7 +61,7 @@ from flaxchat import ops
 from flaxchat.common import matmul_flops, read_cpuinfo
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import (BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
+from flaxchat.optim import (BF16_OPERANDS, BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
                             polar_express, uses_gram_form)
 from flaxchat.train import side_by_side, train_step
 
@@ -125,6 +126,8 @@ PHASES = {
     "ns-bf16": "(the same in bf16)",
     "ns-bf16p": "(the same, bf16-products: square matrices' polynomial products from bf16 operands, rectangular "
                 "ones in the Gram form, fp32)",
+    "ns-bf16o": "(the same, bf16-operands: as bf16-products, with the products that read the iterate from bf16 "
+                "operands too)",
 }
 
 
@@ -146,7 +149,7 @@ def step_optim(cfg: GPTConfig, optimizer: str = "muon", **kw) -> OptimConfig:
 
 def ns_flops(shape, steps: int = 5, dtype="float32") -> float:
     """FLOPs of Polar Express on one matrix of `shape`, in the form `optim.polar_express` takes for
-    `dtype`: the standard iteration, or (BF16_PRODUCTS, rectangular) the Gram form, which does
+    `dtype`: the standard iteration, or (BF16_PRODUCTS or BF16_OPERANDS, rectangular) the Gram form, which does
     4·steps - 3 products of m x m x m plus the Gram matrix and the final product."""
     m, n = sorted(shape[-2:])
     count = int(np.prod(shape[:-2], dtype=np.int64))
@@ -204,7 +207,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
     mats = muon_matrices(grads)
     alone = {}
-    for dtype in ("float32", "bfloat16", BF16_PRODUCTS):
+    for dtype in ("float32", "bfloat16", BF16_PRODUCTS, BF16_OPERANDS):
         ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms])
         alone[dtype] = (_median_ms(lambda: ns(mats), steps), ns(mats))
 
@@ -221,7 +224,9 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             "ns-fp32": (alone["float32"][0], flops["float32"]),
             "ns-bf16": (alone["bfloat16"][0], flops["bfloat16"]),
             "ns-bf16p": (alone[BF16_PRODUCTS][0], flops[BF16_PRODUCTS]),
-            "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS)}, "spread": spread}
+            "ns-bf16o": (alone[BF16_OPERANDS][0], flops[BF16_OPERANDS]),
+            "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS), BF16_OPERANDS: diff(BF16_OPERANDS)},
+            "spread": spread}
 
 
 ABLATIONS = {  # name -> {ops function replaced: its stand-in}; the stand-ins keep every input used
@@ -420,7 +425,8 @@ def main(argv=None):
                         lo, hi = spread[phase]
                         print(f"{'':6}   {'':10} rounds' own differences, middle half: {lo:.1f} to {hi:.1f} ms", flush=True)
                 print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
-                      f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e} (median relative Frobenius difference over "
+                      f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e}, in {BF16_OPERANDS} by {diffs[BF16_OPERANDS]:.1e} "
+                      "(median relative Frobenius difference over "
                       "the block matrices)", flush=True)
             if args.ablate and mode != "baseline":
                 ms = ablations(cfg, rows, accum, args.steps)

@@ -24,6 +24,7 @@ VOCAB_MULTIPLE = 64  # pad the embedding/LM head rows so matmuls tile well; logi
 LR = dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5, smear_lr=0.2,
           weight_decay=0.28)
 ATTENTION_KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")  # flaxchat.ops.KERNELS
+NS_DTYPES = ("auto", "float32", "bfloat16", "bf16-products", "bf16-operands")  # flaxchat.optim's Polar Express dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,9 +156,11 @@ class TrainConfig:
     final_lr_frac: float = 0.05
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
     # Muon's Polar Express: auto (optim.orthogonalisation_dtype: bf16 on TPU/GPU; on a CPU with bf16
-    # dot instructions bf16-products, fp32 on other CPUs), float32, bfloat16, or bf16-products (fp32
-    # iterate and Gram matrix, the other products bf16 into fp32; rectangular matrices in the Gram
-    # form, fp32; see docs/cpu_performance.md; `bench.train_throughput --phases` measures it)
+    # dot instructions bf16-operands on AMD and bf16-products on Intel, fp32 on other CPUs), float32,
+    # bfloat16, bf16-products (fp32 iterate and Gram matrix, the other products bf16 into fp32;
+    # rectangular matrices in the Gram form, fp32) or bf16-operands (as bf16-products, with the
+    # products that read the iterate from bf16 too); see docs/cpu_performance.md;
+    # `bench.train_throughput --phases` measures them
     ns_dtype: str = "auto"
     sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
     eval_every: int = 250
@@ -188,8 +191,8 @@ class TrainConfig:
             raise UserError(f"--attention splash needs a --sequence-len that is a multiple of 128 (got {self.sequence_len}).")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
-        if self.ns_dtype not in ("auto", "float32", "bfloat16", "bf16-products"):
-            raise UserError(f"--ns-dtype must be auto, float32, bfloat16 or bf16-products (got {self.ns_dtype!r}).")
+        if self.ns_dtype not in NS_DTYPES:
+            raise UserError(f"--ns-dtype must be one of {', '.join(NS_DTYPES)} (got {self.ns_dtype!r}).")
         if self.device_batch_size <= 0 or self.sequence_len <= 1:
             raise UserError("--device-batch-size must be positive and --sequence-len at least 2.")
         if self.warmup_steps < 0 or not 0 <= self.warmdown_ratio <= 1 or not 0 <= self.final_lr_frac <= 1:

@@ -94,6 +94,10 @@ class Schedule:
 # times the other): the Gram form in fp32 (`_gram_form`), which is faster than those bf16 products
 # there and closer to the float64 iteration.
 BF16_PRODUCTS = "bf16-products"
+# The same, with the products that read x from bf16 operands too: the Gram matrix of every
+# iteration (square or wide x), and the Gram form's first Gram matrix and final product. The Gram
+# form's chain of m³ products stays fp32 (it does not correct its own rounding).
+BF16_OPERANDS = "bf16-operands"
 GRAM_FORM_ASPECT = 2
 
 
@@ -106,18 +110,15 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     `dtype` (a dtype or its name): float32, bfloat16 (every product and the iterate; what TPU/GPU
     run) or BF16_PRODUCTS (see there; what `orthogonalisation_dtype` says about each).
     """
-    mixed = isinstance(dtype, str) and dtype == BF16_PRODUCTS
+    mixed = isinstance(dtype, str) and dtype in (BF16_PRODUCTS, BF16_OPERANDS)
+    bf16_gram = isinstance(dtype, str) and dtype == BF16_OPERANDS
     x = _normalised(g, jnp.float32 if mixed else jnp.dtype(dtype))
     if uses_gram_form(x.shape, dtype):
-        return _gram_form(x, steps).astype(g.dtype)
-
-    def mm(p, q):  # a product the iteration tolerates in bf16 (the Gram matrix is not one)
-        if not mixed:
-            return p @ q
-        return jnp.matmul(p.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        return _gram_form(x, steps, bf16_x=bf16_gram).astype(g.dtype)
+    mm = _bf16_operands if mixed else jnp.matmul  # a product the iteration tolerates from bf16
     tall = x.shape[0] > x.shape[1]
     for a, b, c in POLAR_EXPRESS[:steps]:
-        A = _gram(x)
+        A = _gram(x, bf16=bf16_gram)
         B = b * A + c * mm(A, A)
         x = a * x + (mm(x, B) if tall else mm(B, x))
     return x.astype(g.dtype)
@@ -147,17 +148,31 @@ def _normalised(g: jax.Array, work) -> jax.Array:
 def uses_gram_form(shape, dtype) -> bool:
     """Whether `polar_express` takes the Gram form for a matrix of `shape` in `dtype`."""
     m, n = sorted(shape[-2:])
-    return isinstance(dtype, str) and dtype == BF16_PRODUCTS and n >= GRAM_FORM_ASPECT * m
+    return isinstance(dtype, str) and dtype in (BF16_PRODUCTS, BF16_OPERANDS) and n >= GRAM_FORM_ASPECT * m
 
 
-def _gram(x: jax.Array) -> jax.Array:
+def _bf16_operands(p: jax.Array, q: jax.Array) -> jax.Array:
+    """p·q from bf16 operands, accumulated and returned in fp32."""
+    return jnp.matmul(p.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def _gram(x: jax.Array, bf16: bool = False) -> jax.Array:
     """The small Gram matrix: xᵀ·x (n x n) for a tall x, x·xᵀ (m x m) for a wide one. xᵀ·x
     contracts the rows, which XLA:CPU runs as a slow generic dot; with xᵀ stored first it is a
-    plain product for its fast library (ops.stored_transpose; on TPU/GPU a plain transpose)."""
+    plain product for its fast library (ops.stored_transpose; on TPU/GPU a plain transpose).
+
+    `bf16` (square or wide x): from bf16 operands into fp32, written as one dot_general of x with
+    itself contracting the columns. XLA:CPU upcasts the same product written as x @ x.T back to
+    fp32 before the dot: sixteen 256 x 256 Gram products took 3.67 ms that way, 2.32 as one
+    dot_general, 3.65 in fp32 (2-core AMD EPYC, Zen 4). It upcast every form of a tall x's xᵀ·x
+    tried (contracting the rows, a stored or a plain transpose first), so that one stays fp32."""
+    if bf16 and x.shape[0] <= x.shape[1]:
+        xb = x.astype(jnp.bfloat16)
+        return jax.lax.dot_general(xb, xb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return stored_transpose(x, (1, 0)) @ x if x.shape[0] > x.shape[1] else x @ x.T
 
 
-def _gram_form(x: jax.Array, steps: int) -> jax.Array:
+def _gram_form(x: jax.Array, steps: int, bf16_x: bool = False) -> jax.Array:
     """Polar Express's iterations on the small Gram matrix alone, then one product with x.
 
     Each iteration is x <- q(A)·x with A = x·xᵀ and q(A) = a + b·A + c·A² (x·q(A) and A = xᵀ·x for
@@ -170,9 +185,14 @@ def _gram_form(x: jax.Array, steps: int) -> jax.Array:
     2.2 against 3.1 ms, 1024 x 256 2.3 against 3.6, 512 x 2048 17 against 21; relative difference
     to the float64 standard iteration on a GPT's gradients 1.2e-5-1.2e-3 against 6.6e-3-2.3e-2
     (fp32's standard iteration: 4-5e-6). docs/cpu_performance.md has the table.
+
+    `bf16_x` (BF16_OPERANDS): the two products that read x, the first Gram matrix (of a wide x; see
+    `_gram`) and the final product, from bf16 operands; the chain stays fp32. On config A's gradients that moved the
+    rectangular matrices' result from 7.9e-6 to 3.1e-3 of float64's (the square ones' bf16
+    products: 1.6e-2), and Polar Express on config A's 24 matrices from 66.2 to 61.6 ms.
     """
     tall = x.shape[0] > x.shape[1]
-    A = _gram(x)
+    A = _gram(x, bf16=bf16_x)
     eye = jnp.eye(A.shape[0], dtype=A.dtype)
     product = None
     for k, (a, b, c) in enumerate(POLAR_EXPRESS[:steps]):
@@ -182,7 +202,8 @@ def _gram_form(x: jax.Array, steps: int) -> jax.Array:
             A = A @ (q @ q)
     if product is None:
         return x
-    return x @ product if tall else product @ x
+    mm = _bf16_operands if bf16_x else jnp.matmul
+    return mm(x, product) if tall else mm(product, x)
 
 
 class MuonState(NamedTuple):
@@ -266,10 +287,11 @@ def cpu_has_bf16_dots(cpuinfo: str | None = None) -> bool:
     return any(flag in flags for flag in BF16_DOT_FLAGS)
 
 
-def orthogonalisation_dtype(backend: str, cpu_bf16: bool | None = None) -> str:
+def orthogonalisation_dtype(backend: str, cpu_bf16: bool | None = None, cpuinfo: str | None = None) -> str:
     """Polar Express's dtype, from what the machine is: bf16 on TPU and GPU (their matrix units;
-    nanochat runs it in bf16 on GPU); on a CPU, BF16_PRODUCTS where it has bf16 dot instructions
-    (`cpu_has_bf16_dots`, or `cpu_bf16`), fp32 elsewhere. `--ns-dtype` overrides it.
+    nanochat runs it in bf16 on GPU); on a CPU with bf16 dot instructions (`cpu_has_bf16_dots`, or
+    `cpu_bf16`) BF16_OPERANDS on AMD and BF16_PRODUCTS on Intel, fp32 elsewhere. `--ns-dtype`
+    overrides it. `cpuinfo`: /proc/cpuinfo's text, for tests.
 
     On a 2-core AMD EPYC (Zen 5, AVX-512 BF16), a bf16 product is fast only when it accumulates into
     fp32 and its right side is not transposed: a 2048³ product ran at 961 GFLOP/s from bf16 operands
@@ -288,13 +310,24 @@ def orthogonalisation_dtype(backend: str, cpu_bf16: bool | None = None) -> str:
     1,498 GFLOP/s against 352 in fp32 at 2048³, but 204 against 186 at 256³), Polar Express alone
     on config A's gradients took 49.0 ms with BF16_PRODUCTS, 67.1 in fp32 and 77.1 in bf16.
 
+    BF16_OPERANDS takes the Gram products from bf16 operands too. Earlier measurements found no
+    gain in that because XLA:CPU had upcast the product x @ x.T to fp32 (see `_gram`). Written as
+    one dot_general, on a 2-core AMD EPYC (Zen 4, AVX-512 BF16) it took Polar Express alone from
+    71.3 to 61.6 ms on config A's 24 matrices and from 965 to 808 ms on config B's 48, and Muon's
+    share of the main job's step from 16.2-17.1% to 14.4-15.0%. Against float64 the update moves
+    by 1.6e-2 on the square matrices, where it was 1.4e-2 (bf16: 5-7e-2), and by 3.1e-3 on the
+    rectangular ones, where it was 7.9e-6. Not yet measured on an Intel CPU, so Intel keeps
+    BF16_PRODUCTS. docs/cpu_performance.md has the runs.
+
     A CPU flag, not a timing probe: a probe on a busy machine could choose differently in two runs
     of one job, or in a run and its resume. `python -m bench.train_throughput --phases` prints
     every dtype's time and difference on any machine.
     """
     if backend in ("tpu", "gpu", "cuda", "rocm"):
         return "bfloat16"
-    return BF16_PRODUCTS if (cpu_has_bf16_dots() if cpu_bf16 is None else cpu_bf16) else "float32"
+    if not (cpu_has_bf16_dots(cpuinfo) if cpu_bf16 is None else cpu_bf16):
+        return "float32"
+    return BF16_OPERANDS if read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD" else BF16_PRODUCTS
 
 
 # --- parameter groups ---------------------------------------------------------------------------

@@ -51,10 +51,11 @@ HELP = {
     "adam_beta2": "AdamW beta2 of the scalar groups",
     "final_lr_frac": "LR at the end of the warmdown, as a fraction of the peak",
     "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
-    "ns_dtype": "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU; on a CPU bf16-products where it "
-                "has bf16 dot instructions, fp32 elsewhere), float32, bfloat16, or bf16-products (fp32, with two of its "
-                "three products from bf16 operands; rectangular matrices in the fp32 Gram form; see "
-                "docs/cpu_performance.md)",
+    "ns_dtype": "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU; on a CPU with bf16 dot "
+                "instructions bf16-operands on AMD and bf16-products on Intel, fp32 elsewhere), float32, bfloat16, "
+                "bf16-products (fp32, with two of its three products from bf16 operands; rectangular matrices in "
+                "the fp32 Gram form) or bf16-operands (as bf16-products, with every product that reads the iterate "
+                "from bf16 operands); see docs/cpu_performance.md",
     "sharding": "dp (parameters replicated), fsdp (parameters, gradients and optimizer state split), auto",
     "eval_every": "steps between validation bpb evaluations, and one at the end (0: none)",
     "eval_tokens": "validation tokens per evaluation",

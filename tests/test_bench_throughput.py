@@ -19,9 +19,9 @@ def test_phases_split_the_real_step(capsys):
     train_throughput.main(["--configs", "S", "--modes", "flaxchat", "--steps", "1", "--phases"])
     out = capsys.readouterr().out
     assert re.search(r"^cpu: \S", out, re.M), out
-    names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16"
+    names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16o|ns-bf16"
     phase = {m.group(1): float(m.group(2)) for m in re.finditer(rf"^\s+({names})\s+(-?[\d.]+) ms", out, re.M)}
-    assert set(phase) == {"step", "fwd+bwd", "update", "muon-ns", "rest", "ns-fp32", "ns-bf16", "ns-bf16p"}, out
+    assert set(phase) == {"step", "fwd+bwd", "update", "muon-ns", "rest", "ns-fp32", "ns-bf16", "ns-bf16p", "ns-bf16o"}, out
     row = re.search(r"^S\s+flaxchat\s+512\s+[\d.]+\s+[\d,]+\s+([\d.]+)%\s+(\d+)", out, re.M)
     best = re.search(r"^MFU against the best peak of this run \((\d+) GFLOP/s\): S flaxchat ([\d.]+)%", out, re.M)
     assert row and best, out
@@ -34,11 +34,12 @@ def test_phases_split_the_real_step(capsys):
     spread = re.findall(r"^\s+rounds' own differences, middle half: (-?[\d.]+) to (-?[\d.]+) ms", out, re.M)
     assert len(spread) == 3 and all(float(lo) <= float(hi) for lo, hi in spread), out
     assert 0 < phase["fwd+bwd"] and 0 < phase["ns-fp32"] and 0 < phase["ns-bf16"], out
-    m = re.search(r"in bf16 changes the update by ([\d.e+-]+), in bf16-products by ([\d.e+-]+)", out)
-    bf16, bf16p = float(m.group(1)), float(m.group(2))
+    m = re.search(r"in bf16 changes the update by ([\d.e+-]+), in bf16-products by ([\d.e+-]+), "
+                  r"in bf16-operands by ([\d.e+-]+)", out)
+    bf16, bf16p, bf16o = float(m.group(1)), float(m.group(2)), float(m.group(3))
     # bf16 rounding is visible, the iteration still reaches the same factor, and keeping the iterate
-    # and the Gram matrix in fp32 is closer to fp32 than bf16 throughout.
-    assert 1e-4 < bf16p < bf16 < 0.5, out
+    # (and in bf16-products the Gram matrix) in fp32 is closer to fp32 than bf16 throughout.
+    assert 1e-4 < bf16p < bf16 < 0.5 and 1e-4 < bf16o < bf16, out
 
 
 def test_profile_sums_the_real_steps_kernels():

@@ -235,15 +235,38 @@ def test_a_few_steps_lower_the_loss(which):
 
 
 def test_orthogonalisation_dtype_is_chosen_by_what_the_machine_is():
-    from flaxchat.optim import BF16_PRODUCTS, cpu_has_bf16_dots, orthogonalisation_dtype
+    from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, cpu_has_bf16_dots, orthogonalisation_dtype
     assert orthogonalisation_dtype("tpu") == orthogonalisation_dtype("gpu") == "bfloat16"
-    assert orthogonalisation_dtype("cpu", cpu_bf16=True) == BF16_PRODUCTS
-    assert orthogonalisation_dtype("cpu", cpu_bf16=False) == "float32"
-    zen5 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
-    sapphire_rapids = "flags\t\t: avx512f amx_bf16 amx_tile\n"
-    skylake = "flags\t\t: avx2 avx512f avx512bw avx512_vnni\n"
+    zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire_rapids = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16 amx_tile\n"
+    skylake = "vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512bw avx512_vnni\n"
     assert cpu_has_bf16_dots(zen5) and cpu_has_bf16_dots(sapphire_rapids)
     assert not cpu_has_bf16_dots(skylake) and not cpu_has_bf16_dots("")
+    # bf16-operands where it was measured (AMD); Intel keeps bf16-products until measured there
+    assert orthogonalisation_dtype("cpu", cpuinfo=zen5) == BF16_OPERANDS
+    assert orthogonalisation_dtype("cpu", cpuinfo=sapphire_rapids) == BF16_PRODUCTS
+    assert orthogonalisation_dtype("cpu", cpuinfo=skylake) == "float32"
+    assert orthogonalisation_dtype("cpu", cpu_bf16=True, cpuinfo=sapphire_rapids) == BF16_PRODUCTS
+    assert orthogonalisation_dtype("cpu", cpu_bf16=False, cpuinfo=zen5) == "float32"
+
+
+def test_the_bf16_gram_product_is_a_bf16_dot_on_cpu():
+    """XLA:CPU upcasts x @ x.T from bf16 back to fp32 before the dot (no faster than fp32); the
+    Gram product of bf16-operands must reach the dot with its bf16 operands. A tall x's stays fp32."""
+    import re
+    from flaxchat.optim import _gram, cpu_has_bf16_dots
+    if jax.default_backend() != "cpu" or not cpu_has_bf16_dots():
+        pytest.skip("a CPU with bf16 dot instructions, where bf16-operands is chosen")
+    for shape in ((64, 64), (64, 160)):
+        x = jax.random.normal(jax.random.key(0), shape)
+        text = jax.jit(lambda x: _gram(x, bf16=True)).lower(x).compile().as_text()
+        dots = [c for c in text.split("\n\n") if " dot(" in c]
+        assert dots and all(re.search(r"bf16\[\d+,\d+\]\{[^}]*\} parameter", c) for c in dots), text
+        assert not re.search(r"f32\[\d+,\d+\]\{[^}]*\} convert\(", text), text  # no upcast before the dot
+        got, want = np.asarray(_gram(x, bf16=True)), np.asarray(_gram(x))
+        assert 0 < np.abs(got - want).max() < 0.05 * shape[1] ** 0.5  # bf16's rounding, and only that
+    tall = jax.random.normal(jax.random.key(0), (160, 64))
+    np.testing.assert_array_equal(np.asarray(_gram(tall, bf16=True)), np.asarray(_gram(tall)))
 
 
 def test_ns_steps_zero_leaves_only_the_normalisations():
@@ -270,22 +293,25 @@ def _polar_express_f64(g: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("shape", [(256, 256), (192, 256)])
 def test_bf16_products_sit_between_fp32_and_bf16(shape):
-    from flaxchat.optim import BF16_PRODUCTS
+    from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS
     g = jax.random.normal(jax.random.key(1), shape) * jnp.linspace(0.1, 3.0, shape[1])  # an uneven spectrum
     ref = _polar_express_f64(np.asarray(g))
     err = {name: float(np.linalg.norm(np.asarray(polar_express(g, 5, dt), np.float64) - ref) / np.linalg.norm(ref))
-           for name, dt in (("fp32", jnp.float32), ("bf16p", BF16_PRODUCTS), ("bf16", jnp.bfloat16))}
+           for name, dt in (("fp32", jnp.float32), ("bf16p", BF16_PRODUCTS), ("bf16o", BF16_OPERANDS),
+                            ("bf16", jnp.bfloat16))}
     # fp32 is float64's iteration to rounding; bf16 operands cost accuracy, bf16 iterates more.
     assert err["fp32"] < 1e-4 < err["bf16p"] < err["bf16"] < 0.2, err
-    o = polar_express(g, 5, BF16_PRODUCTS)
-    assert o.dtype == g.dtype
-    s, s32 = (jnp.linalg.svd(v, compute_uv=False) for v in (o, polar_express(g, 5, jnp.float32)))
-    assert float(jnp.abs(s - s32).max()) < 0.05  # the same spectrum as fp32's
+    assert 1e-4 < err["bf16o"] < err["bf16"], err
+    for dt in (BF16_PRODUCTS, BF16_OPERANDS):
+        o = polar_express(g, 5, dt)
+        assert o.dtype == g.dtype
+        s, s32 = (jnp.linalg.svd(v, compute_uv=False) for v in (o, polar_express(g, 5, jnp.float32)))
+        assert float(jnp.abs(s - s32).max()) < 0.05, dt  # the same spectrum as fp32's
 
 
 @pytest.mark.parametrize("shape", [(256, 1024), (1024, 256), (128, 256)])
 def test_rectangular_matrices_take_the_gram_form_and_stay_close_to_float64(shape):
-    from flaxchat.optim import BF16_PRODUCTS, GRAM_FORM_ASPECT, _gram_form
+    from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, GRAM_FORM_ASPECT, _gram_form
     assert max(shape) >= GRAM_FORM_ASPECT * min(shape)
     g = jax.random.normal(jax.random.key(2), shape) * jnp.linspace(0.1, 3.0, shape[1])
     ref = _polar_express_f64(np.asarray(g))
@@ -295,6 +321,10 @@ def test_rectangular_matrices_take_the_gram_form_and_stay_close_to_float64(shape
     # form in fp32 stays within rounding of the float64 iteration, its condition number squared.
     assert rel(o) < 1e-3 and rel(polar_express(g, 5, jnp.float32)) < 1e-4, (rel(o), rel(polar_express(g, 5)))
     assert o.dtype == g.dtype and o.shape == g.shape
+    # bf16-operands rounds x to bf16 for the first Gram matrix and the final product: a few 1e-3
+    # (bf16 keeps 8 bits, 2^-8 = 3.9e-3), the fp32 chain between them adding nothing of its own.
+    o = polar_express(g, 5, BF16_OPERANDS)
+    assert 1e-4 < rel(o) < 1e-2 and o.dtype == g.dtype and o.shape == g.shape, rel(o)
     x = jax.random.normal(jax.random.key(3), shape)
     assert np.array_equal(np.asarray(_gram_form(x, 0)), np.asarray(x))  # no iterations: x as it came
 
@@ -312,8 +342,9 @@ def test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence():
     assert losses["float32"][0] == losses["bf16-products"][0]  # the same model before any update
     assert losses["float32"][4] != losses["bf16-products"][4]  # the dtype did reach Muon
     assert abs(losses["float32"][4] - losses["bf16-products"][4]) < 1e-3 * losses["float32"][4]
-    with pytest.raises(UserError, match="--ns-dtype must be auto, float32, bfloat16 or bf16-products"):
+    with pytest.raises(UserError, match="--ns-dtype must be one of auto, float32, bfloat16, bf16-products, bf16-operands"):
         TrainConfig(ns_dtype="fp8").validate()
+    TrainConfig(ns_dtype="bf16-operands").validate()
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64)])

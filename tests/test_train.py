@@ -204,7 +204,7 @@ def _main(argv, capsys):
     (["--depth=0", "--steps=1"], "--depth must be at least 1"),
     (["--window-pattern=SXL", "--steps=1"], "window pattern"),
     (["--optimizer=sgd"], "--optimizer must be"),
-    (["--ns-dtype=fp8"], "--ns-dtype must be auto, float32, bfloat16 or bf16-products"),
+    (["--ns-dtype=fp8"], "--ns-dtype must be one of auto, float32, bfloat16, bf16-products, bf16-operands"),
     (["--data=/no/such/place/*.txt", "--steps=1"], "/no/such/place"),
     # Values that used to run as something else, or end in a traceback after minutes of work:
     (["--steps=0"], "--steps must be positive, or -1"),  # ran the derived horizon
