@@ -114,7 +114,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
-    from flaxchat.train import bits_per_byte, eval_step, sample, train_step
+    from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
 
     t_start = time.time()
     check_model_config(tc)
@@ -255,11 +255,13 @@ def _run(tc: TrainConfig) -> dict:
 
     def save(at_step):
         print0(f"step {at_step:05d} | saving checkpoint")
+        step_fn.sync()
         checkpointer.save(at_step, model, optimizer, dict(
             model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
             data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg)))
 
     def evaluate():
+        step_fn.sync()
         loader = PackingLoader(val_src, tokenizer, tc.device_batch_size, T, process_index=0, process_count=1)
         nats = nbytes = 0.0
         for _ in range(max(1, tc.eval_tokens // (tc.device_batch_size * T))):
@@ -269,6 +271,7 @@ def _run(tc: TrainConfig) -> dict:
         return bits_per_byte(nats, nbytes)
 
     def stories():
+        step_fn.sync()
         prompts = [tokenizer.encode(p, prepend=tokenizer.bos_token_id) for p in SAMPLE_PROMPTS[:tc.num_samples]]
         outs = sample(model, prompts, max_new=min(120, T - 8), seed=tc.seed + step)
         return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
@@ -287,7 +290,7 @@ def _run(tc: TrainConfig) -> dict:
     peak = device_peak_flops(compute) * compute.device_count
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
     last_bpb = None
-    step_fn = nnx.cached_partial(train_step, model, optimizer)  # see flaxchat.train.train_step
+    step_fn = StepLoop(model, optimizer)  # model and optimizer hold its arrays after step_fn.sync()
     with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
         while step < steps:
             ctrl_c.stop_here(step, checkpointer, save)
@@ -332,6 +335,7 @@ def _run(tc: TrainConfig) -> dict:
             if tokens_window == 0:
                 t_window = time.time()  # evaluation, sampling and saving are not training time
     batches.close()
+    step_fn.sync()
     train_seconds = time.time() - t_loop
 
     # --- samples, report, completion marker -------------------------------------------------------

@@ -104,7 +104,6 @@ def run(cfg: SFTConfig) -> dict:
 
 def _run(cfg: SFTConfig) -> dict:
     import jax.numpy as jnp
-    from flax import nnx
 
     import tasks
     from flaxchat.chat_data import ConversationLoader, trained_fraction
@@ -114,7 +113,7 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.stage import StopOnCtrlC
-    from flaxchat.train import loss_sum, train_step
+    from flaxchat.train import StepLoop, loss_sum
 
     t_start = time.time()
     # --- tasks first: a bad mixture fails before any model is loaded -------------------------
@@ -155,6 +154,7 @@ def _run(cfg: SFTConfig) -> dict:
     val_batches = []  # the same validation batches at every evaluation: packed once, on first use
 
     def val_loss():
+        step_fn.sync()
         if not val_batches:
             loader = ConversationLoader(val_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed)
             val_batches.extend(loader.next_batch() for _ in range(cfg.eval_batches))
@@ -165,6 +165,7 @@ def _run(cfg: SFTConfig) -> dict:
         return total / max(count, 1.0)
 
     def save(at):
+        step_fn.sync()
         states = gather_streams(dict(zip(streams, batches.state_dict())), compute.device_count)
         stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=paths.absolute(cfg.base),
                    stage="sft")
@@ -173,7 +174,7 @@ def _run(cfg: SFTConfig) -> dict:
     metrics = MetricsLog(stage.path("metrics.jsonl"))
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
     t_window, tokens_window = time.time(), 0
-    step_fn = nnx.cached_partial(train_step, model, stage.optimizer)  # see flaxchat.train.train_step
+    step_fn = StepLoop(model, stage.optimizer)  # model and optimizer hold its arrays after step_fn.sync()
     with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
         while step < steps:
             ctrl_c.stop_here(step, stage.checkpointer, save)
@@ -206,6 +207,7 @@ def _run(cfg: SFTConfig) -> dict:
             if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
                 save(step)
     stage.step = step
+    step_fn.sync()
     train_seconds = time.time() - t_loop
 
     # --- a look at the result, report ---------------------------------------------------------------

@@ -27,12 +27,12 @@ TINY = ["--depth=1", f"--steps={STEPS}", "--sequence-len=32", "--vocab-size=300"
 # precision (pretrain's own lines come from process 0 only, with 4 decimals).
 DRIVER = """
 import sys, jax, flaxchat.train as train
-step = train.train_step
-def train_step(*args):
-    loss = step(*args)
+step = train.StepLoop.__call__
+def logged_step(self, *args):
+    loss = step(self, *args)
     print(f"exact loss p{jax.process_index()}: {float(loss)!r}", flush=True)
     return loss
-train.train_step = train_step
+train.StepLoop.__call__ = logged_step
 from scripts import pretrain
 sys.exit(pretrain.main(sys.argv[1:]))
 """

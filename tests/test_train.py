@@ -299,3 +299,29 @@ def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows):
     assert float(l2) == pytest.approx(float(l1), rel=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_step_loop_trains_exactly_as_train_step_and_hands_back_its_arrays_on_sync():
+    """StepLoop is train_step with a faster call: the same losses and parameters bit for bit. Until
+    sync() the model holds donated arrays, so using it fails loudly instead of reading stale ones."""
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.train import StepLoop, train_step
+    cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+
+    def build():
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=64), Schedule(10)), wrt=nnx.Param)
+
+    x = np.random.default_rng(0).integers(0, 300, (2, 2, 32)).astype(np.int32)
+    y = np.roll(x, -1, -1)
+    (m1, o1), (m2, o2) = build(), build()
+    loop = StepLoop(m2, o2)
+    plain = [float(train_step(m1, o1, x, y)) for _ in range(3)]
+    looped = [float(loop(x, y)) for _ in range(3)]
+    assert looped == plain and plain[2] < plain[0]
+    with pytest.raises(RuntimeError, match="deleted"):
+        np.asarray(m2.lm_head.kernel[...])  # donated to the loop's first step
+    loop.sync()
+    for a, b in zip(jax.tree.leaves(nnx.state((m1, o1))), jax.tree.leaves(nnx.state((m2, o2)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(loop(x, y)) == float(train_step(m1, o1, x, y))  # and it goes on from there
