@@ -187,9 +187,10 @@ def _gram_form(x: jax.Array, steps: int, bf16_x: bool = False) -> jax.Array:
     (fp32's standard iteration: 4-5e-6). docs/cpu_performance.md has the table.
 
     `bf16_x` (BF16_OPERANDS): the two products that read x, the first Gram matrix (of a wide x; see
-    `_gram`) and the final product, from bf16 operands; the chain stays fp32. On config A's gradients that moved the
-    rectangular matrices' result from 7.9e-6 to 3.1e-3 of float64's (the square ones' bf16
-    products: 1.6e-2), and Polar Express on config A's 24 matrices from 66.2 to 61.6 ms.
+    `_gram`) and the final product, from bf16 operands; the chain stays fp32. On config A's
+    gradients that moved the rectangular matrices' result from 7.9e-6 to 3.1e-3 (wide) and 4.0e-3
+    (tall) of float64's, where the square ones' bf16 products are 1.6e-2 from it; Polar Express on
+    config A's 24 matrices went from 66.2 to 61.6 ms (2-core AMD EPYC, Zen 4).
     """
     tall = x.shape[0] > x.shape[1]
     A = _gram(x, bf16=bf16_x)
@@ -313,11 +314,12 @@ def orthogonalisation_dtype(backend: str, cpu_bf16: bool | None = None, cpuinfo:
     BF16_OPERANDS takes the Gram products from bf16 operands too. Earlier measurements found no
     gain in that because XLA:CPU had upcast the product x @ x.T to fp32 (see `_gram`). Written as
     one dot_general, on a 2-core AMD EPYC (Zen 4, AVX-512 BF16) it took Polar Express alone from
-    71.3 to 61.6 ms on config A's 24 matrices and from 965 to 808 ms on config B's 48, and Muon's
-    share of the main job's step from 16.2-17.1% to 14.4-15.0%. Against float64 the update moves
-    by 1.6e-2 on the square matrices, where it was 1.4e-2 (bf16: 5-7e-2), and by 3.1e-3 on the
-    rectangular ones, where it was 7.9e-6. Not yet measured on an Intel CPU, so Intel keeps
-    BF16_PRODUCTS. docs/cpu_performance.md has the runs.
+    77.7 to 66.9 ms on config A's 24 matrices (25 interleaved rounds) and from 959.5 to 805.0 ms on
+    config B's 48, and Polar Express in the main job's step from 16.2-17.1% to 14.5-15.2% of it.
+    Against float64 the update moves by 1.6e-2 on the square matrices, where it was 1.4e-2 (bf16:
+    5-7e-2), and by 3-4e-3 on the rectangular ones, where it was 8e-6; the main job's val bpb after
+    300 steps read 0.1455 against 0.1453 with bf16-products and with fp32. Not yet measured on an
+    Intel CPU, so Intel keeps BF16_PRODUCTS. docs/cpu_performance.md has the runs.
 
     A CPU flag, not a timing probe: a probe on a busy machine could choose differently in two runs
     of one job, or in a run and its resume. `python -m bench.train_throughput --phases` prints
