@@ -108,7 +108,7 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     here, a row of torch's (out, in)) are rescaled to the mean norm, so the spectrum entering the
     iteration is better conditioned; then the Frobenius pre-normalisation with nanochat's x1.01.
     `dtype` (a dtype or its name): float32, bfloat16 (every product and the iterate; what TPU/GPU
-    run) or BF16_PRODUCTS (see there; what `orthogonalisation_dtype` says about each).
+    run), BF16_PRODUCTS or BF16_OPERANDS (see there; what `orthogonalisation_dtype` says about each).
     """
     mixed = isinstance(dtype, str) and dtype in (BF16_PRODUCTS, BF16_OPERANDS)
     bf16_gram = isinstance(dtype, str) and dtype == BF16_OPERANDS
