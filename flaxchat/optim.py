@@ -110,7 +110,7 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     `dtype` (a dtype or its name): float32, bfloat16 (every product and the iterate; what TPU/GPU
     run), BF16_PRODUCTS or BF16_OPERANDS (see there; what `orthogonalisation_dtype` says about each).
     """
-    mixed = isinstance(dtype, str) and dtype in (BF16_PRODUCTS, BF16_OPERANDS)
+    mixed = _mixed(dtype)
     bf16_gram = isinstance(dtype, str) and dtype == BF16_OPERANDS
     x = _normalised(g, jnp.float32 if mixed else jnp.dtype(dtype))
     if uses_gram_form(x.shape, dtype):
@@ -145,10 +145,15 @@ def _normalised(g: jax.Array, work) -> jax.Array:
     return xf * (s / (jnp.sqrt(jnp.sum(s * s * sq)) * 1.01 + 1e-6))
 
 
+def _mixed(dtype) -> bool:
+    """Whether `dtype` names one of the CPU forms with an fp32 iterate and bf16 products."""
+    return isinstance(dtype, str) and dtype in (BF16_PRODUCTS, BF16_OPERANDS)
+
+
 def uses_gram_form(shape, dtype) -> bool:
     """Whether `polar_express` takes the Gram form for a matrix of `shape` in `dtype`."""
     m, n = sorted(shape[-2:])
-    return isinstance(dtype, str) and dtype in (BF16_PRODUCTS, BF16_OPERANDS) and n >= GRAM_FORM_ASPECT * m
+    return _mixed(dtype) and n >= GRAM_FORM_ASPECT * m
 
 
 def _bf16_operands(p: jax.Array, q: jax.Array) -> jax.Array:
