@@ -63,7 +63,7 @@ from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
 from flaxchat.optim import (BF16_OPERANDS, BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
                             polar_express, uses_gram_form)
-from flaxchat.train import side_by_side, train_step
+from flaxchat.train import halves_a_lone_micro_batch, side_by_side, train_step
 
 CONFIGS = {  # A: the main job's shape (run_tinystories --depth=4); B: depth 8; S: a smoke size, seconds to compile
     "S": dict(cfg=GPTConfig(sequence_len=128, vocab_size=1024, n_layer=2, n_head=2, n_kv_head=2, n_embd=128),
@@ -383,7 +383,8 @@ def main(argv=None):
           f"fp32 2048^3 matmul peak at the start: {peak / 1e9:.0f} GFLOP/s (each MFU below divides by the peak "
           f"timed beside each step); the flaxchat modes' Polar Express in "
           f"{orthogonalisation_dtype(jax.default_backend())} (optim.orthogonalisation_dtype), its micro-batches "
-          f"{side_by_side()} at a time (train.side_by_side)")
+          f"{side_by_side()} at a time (train.side_by_side)"
+          f"{', a lone one in halves' if halves_a_lone_micro_batch() else ''}")
     print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'peak':>7} {'compile':>8}")
     rows_seen = []  # (config, mode, FLOP/s) for the closing line against the run's best peak
     for name in args.configs.split(","):

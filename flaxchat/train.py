@@ -39,26 +39,44 @@ def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     return jnp.sum(losses), jnp.sum(targets >= 0)
 
 
-def side_by_side(backend: str | None = None, cpuinfo: str | None = None) -> int:
-    """How many micro-batches `lax.scan` runs at once (its unroll): 2 on Intel CPUs, else 1.
+def side_by_side(backend: str | None = None) -> int:
+    """How many micro-batches `lax.scan` runs at once (its unroll): 2 on CPUs, else 1.
 
     Two micro-batches in one loop body are two independent forward+backward chains, and XLA:CPU
     runs independent kernels side by side: where one chain's small memory-bound kernels leave a
     core idle, the other's work fills it. On a 2-core Intel Xeon (AMX), config A's step at 16K
     tokens (16 micro-batches of 4 rows) took 1,995-2,047 ms against 2,127-2,199 one at a time (four
-    interleaved rounds); config B at 16K moved within the noise. One micro-batch split into two
-    halves side by side gained nothing at 2K tokens (312-323 against 312-318 ms), so a step of one
-    micro-batch stays whole. Not yet measured on an AMD CPU, so 1 there. On TPU and GPU memory is
-    what binds, and two micro-batches' activations at once would double it. `cpuinfo`:
-    /proc/cpuinfo's text, for tests; docs/cpu_performance.md has the runs."""
-    if (backend or jax.default_backend()) != "cpu":
-        return 1
-    return 2 if read_cpuinfo(cpuinfo).get("vendor_id") == "GenuineIntel" else 1
+    interleaved rounds); config B at 16K moved within the noise. On a 2-core AMD EPYC (Zen 4),
+    paired in one process: config A at 16K 2,955 -> 2,798 ms (median of 10 rounds' differences
+    -4.4%), config B at 16K (16 x 2 rows) 16,510 -> 15,862 ms (-3.6%, faster in all 5 rounds).
+    On TPU and GPU memory is what binds, and two micro-batches' activations at once would double
+    it. docs/cpu_performance.md has the runs."""
+    return 2 if (backend or jax.default_backend()) == "cpu" else 1
+
+
+def halves_a_lone_micro_batch(backend: str | None = None, cpuinfo: str | None = None) -> bool:
+    """Whether a step of one micro-batch runs it as two halves side by side: on AMD CPUs.
+
+    The halves' sums are the whole's, added in another order. On a 2-core AMD EPYC (Zen 4), paired
+    in one process (30 rounds): the main job's step (8 x 256 tokens) 384.5 -> 378.8 ms, a median
+    difference of -6.8 ms, faster in 86% of rounds (-6.9 ms and 90% in a second run); config B's
+    4 x 512 2,829 -> 2,774 ms (-31 ms, all 10 rounds). On a 2-core Intel Xeon (AMX) the split
+    gained nothing (320 / 321 / 323 / 312 against 316 / 315 / 312 / 318 ms), so Intel keeps a lone
+    micro-batch whole. `cpuinfo`: /proc/cpuinfo's text, for tests."""
+    return side_by_side(backend) > 1 and read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD"
+
+
+def _halved(batches: tuple) -> tuple:
+    """(1, B, ...) micro-batch arrays as (2, B/2, ...) where `halves_a_lone_micro_batch` says so."""
+    count, rows = batches[0].shape[:2]
+    if count != 1 or rows % 2 or not halves_a_lone_micro_batch():
+        return batches
+    return tuple(b.reshape(2, rows // 2, *b.shape[2:]) for b in batches)
 
 
 def _gradient_sums(graphdef, params, rest, batches):
     """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan),
-    `side_by_side()` micro-batches at a time."""
+    `side_by_side()` micro-batches at a time (a lone one in halves, `halves_a_lone_micro_batch`)."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def accumulate(carry, batch):
@@ -68,7 +86,7 @@ def _gradient_sums(graphdef, params, rest, batches):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-    return jax.lax.scan(accumulate, init, batches, unroll=side_by_side())[0]
+    return jax.lax.scan(accumulate, init, _halved(batches), unroll=side_by_side())[0]
 
 
 def _device_sums_then_one_reduce(graphdef, mesh):

@@ -272,28 +272,37 @@ def test_corrupt_checkpoint_is_reported_and_kept(capsys, tmp_path, tokenizer_dir
     assert (step_dir / "meta" / "metadata").read_text() == "{not json"
 
 
-def test_side_by_side_micro_batches_are_chosen_by_the_cpu():
-    from flaxchat.train import side_by_side
+def test_side_by_side_micro_batches_are_chosen_by_the_backend_and_cpu():
+    from flaxchat.train import halves_a_lone_micro_batch, side_by_side
     intel, amd = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16\n", "vendor_id\t: AuthenticAMD\nflags\t\t: avx512f\n"
-    assert side_by_side("cpu", intel) == 2
-    assert side_by_side("cpu", amd) == side_by_side("cpu", "") == 1  # not measured there yet
-    assert side_by_side("tpu", intel) == side_by_side("gpu", intel) == 1  # memory binds there
+    assert side_by_side("cpu") == 2
+    assert side_by_side("tpu") == side_by_side("gpu") == 1  # memory binds there
+    assert halves_a_lone_micro_batch("cpu", amd)
+    assert not halves_a_lone_micro_batch("cpu", intel)  # measured no faster there
+    assert not halves_a_lone_micro_batch("cpu", "")
+    assert not halves_a_lone_micro_batch("gpu", amd) and not halves_a_lone_micro_batch("tpu", amd)
 
 
-@pytest.mark.parametrize("count,rows", [(1, 4), (4, 2), (3, 2)])
-def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows):
-    """Micro-batches two at a time give the sums one at a time gives, to float rounding; an odd
-    count and a single micro-batch still work."""
+@pytest.mark.parametrize("count,rows,halves", [(1, 4, False), (1, 4, True), (1, 3, True), (4, 2, True), (3, 2, False)])
+def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows, halves):
+    """Micro-batches two at a time, and a lone one in halves, give the sums one whole micro-batch at
+    a time gives, to float rounding; an odd count, and an odd number of rows (kept whole), work."""
     import flaxchat.train as train
     cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
     graphdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     x = np.random.default_rng(0).integers(0, 300, (count, rows, 32)).astype(np.int32)
     y = np.roll(x, -1, -1)
     y[..., :5] = -1  # masked targets are not counted
+    scanned = []
+    real_scan = jax.lax.scan
+    monkeypatch.setattr(jax.lax, "scan", lambda f, init, xs, **kw: scanned.append(xs[0].shape) or real_scan(f, init, xs, **kw))
     out = {}
     for side in (1, 2):
         monkeypatch.setattr(train, "side_by_side", lambda *a, side=side: side)
+        monkeypatch.setattr(train, "halves_a_lone_micro_batch", lambda *a, side=side: side > 1 and halves)
         out[side] = jax.jit(lambda p, r, b: train._gradient_sums(graphdef, p, r, b))(params, rest, (x, y))
+    split = halves and count == 1 and rows % 2 == 0
+    assert scanned == [(count, rows, 32), (2, rows // 2, 32) if split else (count, rows, 32)]
     (g1, l1, n1), (g2, l2, n2) = out[1], out[2]
     assert int(n1) == int(n2) == count * rows * 27
     assert float(l2) == pytest.approx(float(l1), rel=1e-6)
