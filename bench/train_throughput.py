@@ -63,7 +63,7 @@ from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
 from flaxchat.optim import (BF16_OPERANDS, BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
                             polar_express, uses_gram_form)
-from flaxchat.train import halves_a_lone_micro_batch, side_by_side, train_step
+from flaxchat.train import StepLoop, halves_a_lone_micro_batch, side_by_side
 
 CONFIGS = {  # A: the main job's shape (run_tinystories --depth=4); B: depth 8; S: a smoke size, seconds to compile
     "S": dict(cfg=GPTConfig(sequence_len=128, vocab_size=1024, n_layer=2, n_head=2, n_kv_head=2, n_embd=128),
@@ -188,7 +188,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     for name, oc in variants.items():
         models[name] = GPT(cfg, rngs=nnx.Rngs(seed))
         tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000))
-        runs[name] = nnx.cached_partial(train_step, models[name], nnx.Optimizer(models[name], tx, wrt=nnx.Param))
+        runs[name] = StepLoop(models[name], nnx.Optimizer(models[name], tx, wrt=nnx.Param))
         runs[name](x, y).block_until_ready()  # compile
     for _ in range(steps):
         if probe is not None:
@@ -203,6 +203,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 75]))
               for phase, (a, b) in DIFFERENCES.items()}
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
+    runs["full"].sync()
     model = models["full"]
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
     mats = muon_matrices(grads)
@@ -256,10 +257,9 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
         try:
             model = GPT(cfg, rngs=nnx.Rngs(seed))
             opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
-            step = nnx.jit(train_step.fun, donate_argnames=("model", "optimizer"))  # a jit cache of its own
-            programs[name] = step.lower(model, opt, x, y).as_text()
-            runs[name] = nnx.cached_partial(step, model, opt)
-            runs[name](x, y).block_until_ready()  # traces (with the stand-in) and compiles
+            runs[name] = StepLoop(model, opt)  # a jit of its own, traced here with the stand-in
+            programs[name] = runs[name].lower(x, y).as_text()
+            runs[name](x, y).block_until_ready()  # compiles
         finally:
             for attr, fn in saved.items():
                 setattr(ops, attr, fn)
@@ -281,8 +281,8 @@ def real_step(cfg: GPTConfig, rows: int, accum: int, seed: int = 0):
     opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000)), wrt=nnx.Param)
     x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
-    text = train_step.lower(model, opt, x, y).compile().as_text()
-    step = nnx.cached_partial(train_step, model, opt)  # as the stages call it
+    step = StepLoop(model, opt)  # as the stages call it
+    text = step.lower(x, y).compile().as_text()
     step(x, y).block_until_ready()
     return (lambda: step(x, y).block_until_ready()), text
 
@@ -315,7 +315,7 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
-    step = nnx.cached_partial(train_step, model, opt)  # as the stages call it; each mode traces anew
+    step = StepLoop(model, opt)  # as the stages call it; each mode traces anew
     t = time.perf_counter()
     step(x, y).block_until_ready()
     compile_s = time.perf_counter() - t

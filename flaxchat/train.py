@@ -167,6 +167,10 @@ class StepLoop:
         self.synced = False
         return loss
 
+    def lower(self, inputs: jax.Array, targets: jax.Array):
+        """The step lowered for these inputs (`.compile()` it for its module's text)."""
+        return self._step.lower(self.arrays, inputs, targets)
+
     def sync(self) -> None:
         """Put the current arrays back into the model and optimizer."""
         if not self.synced:
