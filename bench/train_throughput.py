@@ -36,6 +36,11 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
              own, in each dtype (bf16p: optim.BF16_PRODUCTS, bf16o: optim.BF16_OPERANDS), and how much
              bf16, bf16p and bf16o change the update against fp32 (what `optim.orthogonalisation_dtype`
              weighs)
+  ns-products  the products of the step's Polar Express alone (`products_alone`): the same dot_generals,
+             shapes and dtypes, independent and with no elementwise work between them, timed in the
+             same rounds as the four above: what its arithmetic costs at this machine's product rates.
+             Where Polar Express alone in the step's dtype reads about the same, it runs at those
+             rates, and only less arithmetic makes it cheaper
 
 `--profile` adds, for the flaxchat modes, one step's kernels by kind (XLA:CPU trace; bench/profiling.py);
 `--cycles` where the process's CPU time goes over `--steps` steps by kind, with the user and system CPU
@@ -48,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import resource
 import time
@@ -57,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench import interleaved
 from flaxchat import ops
 from flaxchat.common import matmul_flops, read_cpuinfo
 from flaxchat.config import GPTConfig
@@ -128,6 +135,8 @@ PHASES = {
                 "ones in the Gram form, fp32)",
     "ns-bf16o": "(the same, bf16-operands: as bf16-products, with the products that read the iterate from bf16 "
                 "operands too)",
+    "ns-products": "(the step's Polar Express with its products alone: the same dot_generals, independent and "
+                   "with nothing between them; the four rows above and this one timed in the same rounds)",
 }
 
 
@@ -156,6 +165,70 @@ def ns_flops(shape, steps: int = 5, dtype="float32") -> float:
     if uses_gram_form(shape, dtype) and steps:
         return (4 * m * m * n + (4 * steps - 3) * 2 * m ** 3) * count
     return steps * (4 * m * m * n + 2 * m ** 3) * count
+
+
+def dot_generals(fn, *args) -> list[tuple]:
+    """Every dot_general `fn(*args)` traces to, nested calls included: (lhs aval, rhs aval, params)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append((eqn.invars[0].aval, eqn.invars[1].aval, eqn.params))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr, or a Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def dot_flops(lhs, rhs, params) -> int:
+    """2·batch·m·n·k of one dot_general (avals and params as `dot_generals` gives them)."""
+    (lc, _), (lb, _) = params["dimension_numbers"]
+    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
+    batch = int(np.prod([lhs.shape[d] for d in lb], dtype=np.int64))
+    m = int(np.prod(lhs.shape, dtype=np.int64)) // (k * batch)
+    n = int(np.prod(rhs.shape, dtype=np.int64)) // (k * batch)
+    return 2 * batch * m * n * k
+
+
+def products_alone(dots: list[tuple], seed: int = 0):
+    """(a call, its FLOPs): the products `dots` (from `dot_generals`), each with its own
+    shapes, dtypes and dimension numbers, as independent products with no other work between them.
+    Their time is the least the same products can cost at this machine's rates: nothing waits for a
+    product before it, and no elementwise kernel runs between two. Each takes its own pair of inputs
+    from a pool per operand shape, so no two are the same computation (XLA would merge those)."""
+    rng = np.random.default_rng(seed)
+    signature = lambda d: (d[0].shape, str(d[0].dtype), d[1].shape, str(d[1].dtype))
+    counts: dict = {}
+    for d in dots:
+        counts[signature(d)] = counts.get(signature(d), 0) + 1
+    pool_size = int(np.ceil(np.sqrt(max(counts.values(), default=1))))  # pool² distinct pairs per signature
+    pools: dict = {}
+
+    def pool(aval):
+        key = (aval.shape, str(aval.dtype))
+        if key not in pools:
+            pools[key] = [jnp.asarray(rng.standard_normal(aval.shape) / np.sqrt(aval.shape[-1]), aval.dtype)
+                          for _ in range(pool_size)]
+        return pools[key]
+
+    seen: dict = {}
+    picks = []  # (lhs index, rhs index) into the pools, per product
+    for d in dots:
+        j = seen[signature(d)] = seen.get(signature(d), -1) + 1
+        pool(d[0]), pool(d[1])
+        picks.append((j % pool_size, j // pool_size))
+
+    def run(pools):
+        return [jax.lax.dot_general(pools[(lhs.shape, str(lhs.dtype))][i], pools[(rhs.shape, str(rhs.dtype))][j],
+                                    params["dimension_numbers"], preferred_element_type=params["preferred_element_type"])
+                for (lhs, rhs, params), (i, j) in zip(dots, picks)]
+
+    return functools.partial(jax.jit(run), pools), sum(dot_flops(*d) for d in dots)
 
 
 def noise_note(phase: str, ms: float, flops: float | None, peak: float, ceiling: float | None = None) -> str:
@@ -210,10 +283,18 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     model = models["full"]
     grads = nnx.grad(lambda m: jnp.mean(token_losses(m, x[0], y[0])))(model)
     mats = muon_matrices(grads)
-    alone = {}
-    for dtype in ("float32", "bfloat16", BF16_PRODUCTS, BF16_OPERANDS):
-        ns = jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms])
-        alone[dtype] = (_median_ms(lambda: ns(mats), steps), ns(mats))
+    # Beside them, in the same rounds, the products of the step's Polar Express alone (its dtype).
+    dtypes = ("float32", "bfloat16", BF16_PRODUCTS, BF16_OPERANDS)
+    ns = {dtype: jax.jit(lambda ms, dtype=dtype: [polar_express(g, 5, dtype) for g in ms]) for dtype in dtypes}
+    step_dtype = variants["full"].ns_dtype
+    products, products_flops = products_alone(
+        dot_generals(lambda ms: [polar_express(g, 5, step_dtype) for g in ms], mats))
+    calls = {**{dtype: (lambda f=f: f(mats)) for dtype, f in ns.items()}, "products": products}
+    for call in calls.values():
+        jax.block_until_ready(call())  # compile
+    rounds_s = interleaved(calls, (), steps)
+    alone = {dtype: (float(np.median(rounds_s[dtype])) * 1e3, ns[dtype](mats)) for dtype in dtypes}
+    products_ms = float(np.median(rounds_s["products"])) * 1e3
 
     def diff(dtype):  # median relative Frobenius difference to fp32 over the matrices (zero ones left out)
         return float(np.median([float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
@@ -229,6 +310,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             "ns-bf16": (alone["bfloat16"][0], flops["bfloat16"]),
             "ns-bf16p": (alone[BF16_PRODUCTS][0], flops[BF16_PRODUCTS]),
             "ns-bf16o": (alone[BF16_OPERANDS][0], flops[BF16_OPERANDS]),
+            "ns-products": (products_ms, products_flops),
             "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS), BF16_OPERANDS: diff(BF16_OPERANDS)},
             "spread": spread}
 

@@ -8,9 +8,11 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from bench import train_throughput
+from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, polar_express
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,9 +21,10 @@ def test_phases_split_the_real_step(capsys):
     train_throughput.main(["--configs", "S", "--modes", "flaxchat", "--steps", "1", "--phases"])
     out = capsys.readouterr().out
     assert re.search(r"^cpu: \S", out, re.M), out
-    names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16o|ns-bf16"
+    names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16o|ns-bf16|ns-products"
     phase = {m.group(1): float(m.group(2)) for m in re.finditer(rf"^\s+({names})\s+(-?[\d.]+) ms", out, re.M)}
-    assert set(phase) == {"step", "fwd+bwd", "update", "muon-ns", "rest", "ns-fp32", "ns-bf16", "ns-bf16p", "ns-bf16o"}, out
+    assert set(phase) == {"step", "fwd+bwd", "update", "muon-ns", "rest", "ns-fp32", "ns-bf16", "ns-bf16p", "ns-bf16o",
+                          "ns-products"}, out
     row = re.search(r"^S\s+flaxchat\s+512\s+[\d.]+\s+[\d,]+\s+([\d.]+)%\s+(\d+)", out, re.M)
     best = re.search(r"^MFU against the best peak of this run \((\d+) GFLOP/s\): S flaxchat ([\d.]+)%", out, re.M)
     assert row and best, out
@@ -40,6 +43,23 @@ def test_phases_split_the_real_step(capsys):
     # bf16 rounding is visible, the iteration still reaches the same factor, and keeping the iterate
     # (and in bf16-products the Gram matrix) in fp32 is closer to fp32 than bf16 throughout.
     assert 1e-4 < bf16p < bf16 < 0.5 and 1e-4 < bf16o < bf16, out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", BF16_PRODUCTS, BF16_OPERANDS])
+def test_products_alone_are_polar_expresss_own_products(dtype):
+    # Square, wide and tall matrices: the standard iteration and (bf16-products/-operands) the Gram form.
+    mats = [jnp.ones(shape) for shape in [(64, 64), (64, 256), (256, 64), (48, 64)]]
+    dots = train_throughput.dot_generals(lambda ms: [polar_express(g, 5, dtype) for g in ms], mats)
+    # The products found are the ones ns_flops counts, in every form...
+    call, flops = train_throughput.products_alone(dots)
+    assert flops == sum(train_throughput.ns_flops(g.shape, 5, dtype) for g in mats) > 0
+    assert {str(lhs.dtype) for lhs, _, _ in dots} == ({"float32"} if dtype == "float32" else
+                                                      {"bfloat16"} if dtype == "bfloat16" else {"float32", "bfloat16"})
+    # ...and every one of them still runs: no two are the same computation for XLA to merge.
+    outputs = call()
+    assert len(outputs) == len(dots)
+    text = call.func.lower(*call.args).compile().as_text()
+    assert len(re.findall(r" dot\(", text)) == len(dots), text[:2000]
 
 
 def test_profile_sums_the_real_steps_kernels():
