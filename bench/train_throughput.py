@@ -51,6 +51,7 @@ bench/cycles.py).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -196,36 +197,26 @@ def dot_flops(lhs, rhs, params) -> int:
 
 
 def products_alone(dots: list[tuple], seed: int = 0):
-    """(a call, its FLOPs): the products `dots` (from `dot_generals`), each with its own
-    shapes, dtypes and dimension numbers, as independent products with no other work between them.
-    Their time is the least the same products can cost at this machine's rates: nothing waits for a
-    product before it, and no elementwise kernel runs between two. Each takes its own pair of inputs
-    from a pool per operand shape, so no two are the same computation (XLA would merge those)."""
+    """(a call, its FLOPs): the products `dots` (from `dot_generals`), each with its own shapes,
+    dtypes and dimension numbers, as independent products with no other work between them: what
+    they cost at this machine's product rates, with nothing waiting on a product before it and no
+    elementwise kernel between two. Each takes its own pair of inputs from a pool per operand
+    shape and dtype, so no two are the same computation (XLA would merge those)."""
     rng = np.random.default_rng(seed)
-    signature = lambda d: (d[0].shape, str(d[0].dtype), d[1].shape, str(d[1].dtype))
-    counts: dict = {}
-    for d in dots:
-        counts[signature(d)] = counts.get(signature(d), 0) + 1
-    pool_size = int(np.ceil(np.sqrt(max(counts.values(), default=1))))  # pool² distinct pairs per signature
-    pools: dict = {}
-
-    def pool(aval):
-        key = (aval.shape, str(aval.dtype))
-        if key not in pools:
-            pools[key] = [jnp.asarray(rng.standard_normal(aval.shape) / np.sqrt(aval.shape[-1]), aval.dtype)
-                          for _ in range(pool_size)]
-        return pools[key]
-
-    seen: dict = {}
-    picks = []  # (lhs index, rhs index) into the pools, per product
-    for d in dots:
-        j = seen[signature(d)] = seen.get(signature(d), -1) + 1
-        pool(d[0]), pool(d[1])
-        picks.append((j % pool_size, j // pool_size))
+    key = lambda aval: (aval.shape, str(aval.dtype))  # noqa: E731
+    counts = collections.Counter((key(lhs), key(rhs)) for lhs, rhs, _ in dots)
+    size = int(np.ceil(np.sqrt(max(counts.values(), default=1))))  # size² distinct pairs per signature
+    pools = {k: [jnp.asarray(rng.standard_normal(k[0]) / np.sqrt(k[0][-1]), k[1]) for _ in range(size)]
+             for k in {key(aval) for lhs, rhs, _ in dots for aval in (lhs, rhs)}}
+    picks, seen = [], collections.Counter()  # per product: its (lhs, rhs) indices into the pools
+    for lhs, rhs, _ in dots:
+        j = seen[key(lhs), key(rhs)]
+        seen[key(lhs), key(rhs)] += 1
+        picks.append((j % size, j // size))
 
     def run(pools):
-        return [jax.lax.dot_general(pools[(lhs.shape, str(lhs.dtype))][i], pools[(rhs.shape, str(rhs.dtype))][j],
-                                    params["dimension_numbers"], preferred_element_type=params["preferred_element_type"])
+        return [jax.lax.dot_general(pools[key(lhs)][i], pools[key(rhs)][j], params["dimension_numbers"],
+                                    preferred_element_type=params["preferred_element_type"])
                 for (lhs, rhs, params), (i, j) in zip(dots, picks)]
 
     return functools.partial(jax.jit(run), pools), sum(dot_flops(*d) for d in dots)
