@@ -27,8 +27,9 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
   fwd+bwd    every micro-batch's forward and backward, the accumulation and the scan
   update     the optimizer: muon-ns (Polar Express as it costs inside the step, in the dtype the header
              names) + rest (momentum, MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
-  Under each difference, the middle half of the rounds' own differences (a round's steps run back to
-  back). On a shared 2-core host one 2K-token step can differ from the next by 10%, so a phase of a
+  Under each difference, the median and the middle half of the rounds' own differences (a round's
+  steps run back to back; the headline is the difference of the medians, so the phases add up to
+  the step, and on a host that drifts it can fall outside that middle half). On a shared 2-core host one 2K-token step can differ from the next by 10%, so a phase of a
   few percent of config A's step needs many rounds: on one Intel Xeon within the hour, muon-ns read
   69.0 ms (17.6% of the step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its
   rounds' middle half 31-71 ms.
@@ -242,7 +243,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     machine that speeds up or slows down mid-run moves all of them alike: the full step; the step
     with Polar Express's iterations removed (ns_steps=0); and the step with a no-op optimizer (adds
     0 x gradient). Their differences are the phases as they cost inside the step. "spread" holds,
-    for each difference, the quartiles of the rounds' own differences (each round's two steps run
+    for each difference, the quartiles (25th, 50th, 75th percentile) of the rounds' own differences (each round's two steps run
     back to back): how far one reading can move on this host, which a difference of two medians
     does not show."""
     import optax
@@ -267,7 +268,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     rounds = {k: np.asarray(v) * 1e3 for k, v in times.items()}
     ms = {k: float(np.median(v)) for k, v in rounds.items()}
     between = {phase: ms[a] - ms[b] for phase, (a, b) in DIFFERENCES.items()}
-    spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 75]))
+    spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 50, 75]))
               for phase, (a, b) in DIFFERENCES.items()}
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
     runs["full"].sync()
@@ -501,8 +502,9 @@ def main(argv=None):
                     at_peak += noise_note(phase, ms, flops, peak, alone if phase == "muon-ns" else None)
                     print(f"{'':6}   {phase:10} {ms:>9.1f} ms  {share}{at_peak}  {PHASES[phase]}", flush=True)
                     if phase in spread:
-                        lo, hi = spread[phase]
-                        print(f"{'':6}   {'':10} rounds' own differences, middle half: {lo:.1f} to {hi:.1f} ms", flush=True)
+                        lo, mid, hi = spread[phase]
+                        print(f"{'':6}   {'':10} rounds' own differences: median {mid:.1f}, middle half {lo:.1f} to "
+                              f"{hi:.1f} ms", flush=True)
                 print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
                       f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e}, in {BF16_OPERANDS} by {diffs[BF16_OPERANDS]:.1e} "
                       "(median relative Frobenius difference over "

@@ -33,9 +33,10 @@ def test_phases_split_the_real_step(capsys):
     # The phases are differences of one interleaved run: they add up to its step.
     assert abs(phase["fwd+bwd"] + phase["update"] - phase["step"]) < 0.2, out
     assert abs(phase["muon-ns"] + phase["rest"] - phase["update"]) < 0.2, out
-    # Each difference also shows how far the rounds' own differences spread.
-    spread = re.findall(r"^\s+rounds' own differences, middle half: (-?[\d.]+) to (-?[\d.]+) ms", out, re.M)
-    assert len(spread) == 3 and all(float(lo) <= float(hi) for lo, hi in spread), out
+    # Each difference also shows the rounds' own differences: their median and middle half.
+    spread = re.findall(r"^\s+rounds' own differences: median (-?[\d.]+), middle half (-?[\d.]+) to (-?[\d.]+) ms",
+                        out, re.M)
+    assert len(spread) == 3 and all(float(lo) <= float(mid) <= float(hi) for mid, lo, hi in spread), out
     assert 0 < phase["fwd+bwd"] and 0 < phase["ns-fp32"] and 0 < phase["ns-bf16"], out
     m = re.search(r"in bf16 changes the update by ([\d.e+-]+), in bf16-products by ([\d.e+-]+), "
                   r"in bf16-operands by ([\d.e+-]+)", out)
