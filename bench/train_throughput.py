@@ -29,10 +29,11 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
              names) + rest (momentum, MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
   Under each difference, the median and the middle half of the rounds' own differences (a round's
   steps run back to back; the headline is the difference of the medians, so the phases add up to
-  the step, and on a host that drifts it can fall outside that middle half). On a shared 2-core host one 2K-token step can differ from the next by 10%, so a phase of a
-  few percent of config A's step needs many rounds: on one Intel Xeon within the hour, muon-ns read
-  69.0 ms (17.6% of the step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its
-  rounds' middle half 31-71 ms.
+  the step, and on a host that drifts it can fall outside that middle half). On a shared 2-core
+  host one 2K-token step can differ from the next by 10%, so a phase of a few percent of config A's
+  step needs many rounds: on one Intel Xeon within the hour, muon-ns read 69.0 ms (17.6% of the
+  step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its rounds' middle half
+  31-71 ms.
   ns-fp32, ns-bf16, ns-bf16p, ns-bf16o  Polar Express alone on the model's gradients, jitted on its
              own, in each dtype (bf16p: optim.BF16_PRODUCTS, bf16o: optim.BF16_OPERANDS), and how much
              bf16, bf16p and bf16o change the update against fp32 (what `optim.orthogonalisation_dtype`
@@ -243,9 +244,9 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     machine that speeds up or slows down mid-run moves all of them alike: the full step; the step
     with Polar Express's iterations removed (ns_steps=0); and the step with a no-op optimizer (adds
     0 x gradient). Their differences are the phases as they cost inside the step. "spread" holds,
-    for each difference, the quartiles (25th, 50th, 75th percentile) of the rounds' own differences (each round's two steps run
-    back to back): how far one reading can move on this host, which a difference of two medians
-    does not show."""
+    for each difference, the three quartiles of the rounds' own differences (each round's two steps
+    run back to back): their median, and how far one reading can move on this host, which a
+    difference of two medians does not show."""
     import optax
     from flaxchat.train import token_losses
     rng = np.random.default_rng(seed)
