@@ -35,12 +35,13 @@ def losses(steps: int, rows: int, accum: int, seed: int = 0, ns_dtype: str = "fl
     from flaxchat import ops
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
     from flaxchat.train import train_step
 
     cfg = config_for_depth(4, vocab_size=4096, sequence_len=256)
     model = GPT(cfg, rngs=nnx.Rngs(seed))
-    if ns_dtype == "auto":
+    if ns_dtype == "auto":  # imported here: a checkout from before it existed runs the other dtypes
+        from flaxchat.optim import orthogonalisation_dtype
         ns_dtype = orthogonalisation_dtype(jax.default_backend())
     tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)

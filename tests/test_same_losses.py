@@ -28,3 +28,12 @@ def test_compare_fails_a_changed_loss_and_rejects_bad_flags(tmp_path, capsys):
         assert e.code == 2
     else:
         raise AssertionError("--ulps -1 was accepted")
+
+
+def test_runs_on_a_checkout_from_before_the_dtype_choice(monkeypatch):
+    """`--out` runs on the old code, and the issue's start commit has no optim.orthogonalisation_dtype:
+    the fixed dtypes must not need it."""
+    from flaxchat import optim
+    monkeypatch.delattr(optim, "orthogonalisation_dtype")
+    got = same_losses.losses(1, 1, 1)
+    assert len(got) == 1 and 0 < got[0] < 20, got
