@@ -57,6 +57,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import resource
 import time
@@ -441,6 +442,9 @@ def main(argv=None):
     p.add_argument("--cycles", action="store_true",
                    help="also print where the process's CPU time goes over a flaxchat mode's steps, by kind "
                         "(Linux perf samples: products, XLA's loops, page zeroing, malloc, ...), how busy the cores were and the host's steal")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the figures to this JSON file: the cpu line, one row per config and mode, and "
+                        "with --phases each phase's ms, share of the step and share of the peak")
     args = p.parse_args(argv)
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
         from bench import profiling
@@ -454,6 +458,7 @@ def main(argv=None):
     if unknown:  # before the peak is timed and the first config compiled
         raise SystemExit(f"unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}.")
     print(cpu_line())
+    figures = {"cpu": cpu_line(), "rows": []}  # what --json writes
 
     probe = PeakProbe()
     peak = probe.sample()
@@ -484,6 +489,8 @@ def main(argv=None):
             print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {r['mfu']:>5.1f}% "
                   f"{r['peak'] / 1e9:>7.0f} {r['compile_s']:>7.1f}s", flush=True)
             rows_seen.append((name, mode, r["tok_s"] * r["flops_per_tok"]))
+            figures["rows"].append(dict(config=name, mode=mode, **{k: r[k] for k in ("tokens", "ms", "tok_s", "mfu")},
+                                        peak_gflops=r["peak"] / 1e9))
             rows, accum = (spec["rows"], 1) if mode != "flaxchat16k" else (micro, 16384 // (micro * T))
             if args.profile and mode != "baseline":
                 profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
@@ -497,6 +504,10 @@ def main(argv=None):
                 step_ms = split["step"][0]
                 # Polar Express's fastest rate alone this run: muon-ns is noise only above it
                 alone = max(f / (m / 1e3) for k, (m, f) in split.items() if k.startswith("ns-") and m > 0)
+                figures["rows"][-1]["phases"] = {
+                    phase: dict(ms=ms, of_step=100 * ms / step_ms,
+                                of_peak=100 * flops / (ms / 1e3) / peak if flops and ms > 0 else None)
+                    for phase, (ms, flops) in split.items()}
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / step_ms:5.1f}% of the step"
                     at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops and ms > 0 else ""
@@ -525,6 +536,9 @@ def main(argv=None):
           + ", ".join(f"{c} {m} {100 * f / best:.1f}%" for c, m, f in rows_seen))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

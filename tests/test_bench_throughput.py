@@ -3,6 +3,7 @@
 The tests run the bench's smoke size, config S: the same real step, phases and ablations as A and
 B, with a quarter of A's compile time (the suite starts from a cold compilation cache)."""
 
+import json
 import os
 import re
 import subprocess
@@ -17,8 +18,9 @@ from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, polar_express
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_phases_split_the_real_step(capsys):
-    train_throughput.main(["--configs", "S", "--modes", "flaxchat", "--steps", "1", "--phases"])
+def test_phases_split_the_real_step(capsys, tmp_path):
+    train_throughput.main(["--configs", "S", "--modes", "flaxchat", "--steps", "1", "--phases",
+                           "--json", str(tmp_path / "figures.json")])
     out = capsys.readouterr().out
     assert re.search(r"^cpu: \S", out, re.M), out
     names = "step|fwd\\+bwd|update|muon-ns|rest|ns-fp32|ns-bf16p|ns-bf16o|ns-bf16|ns-products"
@@ -44,6 +46,17 @@ def test_phases_split_the_real_step(capsys):
     # bf16 rounding is visible, the iteration still reaches the same factor, and keeping the iterate
     # (and in bf16-products the Gram matrix) in fp32 is closer to fp32 than bf16 throughout.
     assert 1e-4 < bf16p < bf16 < 0.5 and 1e-4 < bf16o < bf16, out
+    # --json holds the same figures as the printed table (what bench.before_after reads).
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["cpu"] == re.search(r"^(cpu: .*)$", out, re.M).group(1)
+    (saved,) = figures["rows"]
+    assert (saved["config"], saved["mode"], saved["tokens"]) == ("S", "flaxchat", 512)
+    assert f"{saved['mfu']:.1f}" == row.group(1), (saved, out)
+    assert set(saved["phases"]) == set(phase), saved
+    for name, got in saved["phases"].items():
+        assert abs(got["ms"] - phase[name]) <= 0.05, (name, got, out)
+        assert abs(got["of_step"] - 100 * got["ms"] / saved["phases"]["step"]["ms"]) < 1e-9, (name, got)
+    assert saved["phases"]["fwd+bwd"]["of_peak"] > 0 and saved["phases"]["rest"]["of_peak"] is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", BF16_PRODUCTS, BF16_OPERANDS])
