@@ -210,7 +210,8 @@ def compare(args, sections, shapes, base: Side, head: Side, sha: str, logs: Path
                     muon = row.get("phases", {}).get("muon-ns", {}).get("of_step")
                     if fb is not None and muon is not None:
                         summary.append(f"phases  head {row['config']} {row['mode']}: {row['tok_s']:,.0f} tok/s, "
-                                       f"fwd+bwd {fb:.1f}% of peak, muon-ns {muon:.1f}% of the step")
+                                       f"the step at {row['mfu']:.1f}% of peak, fwd+bwd at {fb:.1f}%, muon-ns "
+                                       f"{muon:.1f}% of the step")
 
     if "main" in sections:
         speeds = {side.name: [] for side in sides}

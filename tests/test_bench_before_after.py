@@ -43,7 +43,10 @@ def test_every_section_runs_on_both_sides_and_is_summed_up(tmp_path, capsys):
     sides = re.search(r"^base [0-9a-f]{7} \((.+)\), head .+ \((.+)\); logs in ", out, re.M)
     assert sides and "/before_after-base-" in sides.group(1) and sides.group(2) == str(HEAD_ROOT), out
     figures = json.loads((tmp_path / "phases-S.head.json").read_text())
-    assert [line for line in summary if line.startswith("phases  head S flaxchat: ")], out
+    (row,) = figures["rows"]
+    assert f"phases  head S flaxchat: {row['tok_s']:,.0f} tok/s, the step at {row['mfu']:.1f}% of peak, fwd+bwd at " \
+        f"{row['phases']['fwd+bwd']['of_peak']:.1f}%, muon-ns {row['phases']['muon-ns']['of_step']:.1f}% of the step" \
+        in summary, out
     main_line = [line for line in summary if line.startswith("main    base ")]
     assert main_line and main_line[0].endswith("x"), out
     speeds = {side: before_after.tok_per_s(tmp_path / f"main-1.{side}") for side in ("base", "head")}
