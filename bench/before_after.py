@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
     finally:
         git("worktree", "remove", "--force", str(base_root))
         git("worktree", "prune")
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def compare(args, sections, shapes, base: Side, head: Side, sha: str, logs: Path) -> int:

@@ -23,6 +23,13 @@ def _is_git_checkout() -> bool:
 needs_git = pytest.mark.skipif(not _is_git_checkout(), reason="not a git checkout: no commit to compare against")
 
 
+def sides_of(out: str) -> tuple[str, str]:
+    """The base's and the head's checkout, as the driver's second line names them."""
+    m = re.search(r"^base [0-9a-f]{7} \((.+)\), head .+ \((.+)\); logs in ", out, re.M)
+    assert m, out
+    return m.group(1), m.group(2)
+
+
 def _worktrees() -> str:
     return subprocess.run(["git", "-C", str(HEAD_ROOT), "worktree", "list"], capture_output=True, text=True).stdout
 
@@ -36,12 +43,13 @@ def test_every_section_runs_on_both_sides_and_is_summed_up(tmp_path, capsys):
                             "--muon-steps", "1", "--loss-steps", "1", "--loss-shapes", "1x1", "--logs", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert _worktrees() == before  # the base's worktree is gone again
+    assert _worktrees() == before  # the base's worktree is gone again, and its folder with it
+    assert not Path(sides_of(out)[0]).parent.exists(), out
     summary = out.split("--- before/after\n")[1].splitlines()
     # Each side ran its own checkout's code (checked before the first run, else the exit status is 2):
     # the base from a worktree, the head from here.
-    sides = re.search(r"^base [0-9a-f]{7} \((.+)\), head .+ \((.+)\); logs in ", out, re.M)
-    assert sides and "/before_after-base-" in sides.group(1) and sides.group(2) == str(HEAD_ROOT), out
+    base_root, head_root = sides_of(out)
+    assert "/before_after-base-" in base_root and head_root == str(HEAD_ROOT), out
     figures = json.loads((tmp_path / "phases-S.head.json").read_text())
     (row,) = figures["rows"]
     assert f"phases  head S flaxchat: {row['tok_s']:,.0f} tok/s, the step at {row['mfu']:.1f}% of peak, fwd+bwd at " \
