@@ -107,7 +107,7 @@ def tok_per_s(run_dir: Path, windows: int = 5) -> float | None:
 
 def alternating(pairs: int):
     """(pair, side index) in the order base, head, head, base, base, head, ...: neither side always
-    runs first after the other."""
+    runs first after the other. A pair is one main-job run a side, or one config's phases."""
     for i in range(pairs):
         for j in ((0, 1) if i % 2 == 0 else (1, 0)):
             yield i, j
@@ -198,13 +198,15 @@ def compare(args, sections, shapes, base: Side, head: Side, sha: str, logs: Path
         return rc == 0
 
     if "phases" in sections:
-        for i, config in enumerate(args.configs.split(",")):
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                cmd = ["-m", "bench.train_throughput", "--configs", config, "--modes", args.modes, "--phases",
-                       "--steps", str(args.phase_steps)]
-                if side is head:
-                    cmd += ["--json", str(logs / f"phases-{config}.head.json")]
-                run(side, f"phases-{config}", cmd, echo=True)
+        configs = args.configs.split(",")
+        for i, j in alternating(len(configs)):
+            config, side = configs[i], sides[j]
+            cmd = ["-m", "bench.train_throughput", "--configs", config, "--modes", args.modes, "--phases",
+                   "--steps", str(args.phase_steps)]
+            if side is head:
+                cmd += ["--json", str(logs / f"phases-{config}.head.json")]
+            run(side, f"phases-{config}", cmd, echo=True)
+        for config in configs:
             figures = logs / f"phases-{config}.head.json"
             if figures.exists():
                 for row in json.loads(figures.read_text())["rows"]:
