@@ -81,6 +81,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.ulps < 0 or args.steps < 1:
         ap.error("--ulps must be >= 0 and --steps >= 1")
+    if args.ulps and not args.compare:
+        ap.error("--ulps widens --compare's tolerance; pass --compare too")
+    ref = None
+    if args.compare:  # read before the steps run, so a wrong path fails at once
+        try:
+            with open(args.compare) as f:
+                ref = json.load(f)
+        except (OSError, ValueError) as e:
+            ap.error(f"cannot read --compare {args.compare}: {e}")
+        if not isinstance(ref, list) or not all(isinstance(v, (int, float)) for v in ref):
+            ap.error(f"--compare {args.compare} is not a list of losses (write one with --out)")
     got = losses(args.steps, args.rows, args.accum, ns_dtype=args.ns_dtype)
     if args.out:
         with open(args.out, "w") as f:
@@ -88,8 +99,6 @@ def main(argv=None) -> int:
     if not args.compare:
         print(" ".join(f"{v:.7f}" for v in got))
         return 0
-    with open(args.compare) as f:
-        ref = json.load(f)
     if len(ref) != len(got):
         print(f"{args.compare} holds {len(ref)} losses, this run {len(got)}; run both with the same --steps.")
         return 2
