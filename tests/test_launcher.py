@@ -764,6 +764,11 @@ def test_bad_input_gets_one_sentence_and_nonzero_exit(shared_env, capsys, monkey
         code, _, err = cli(capsys, *argv)
         assert code != 0 and message in err, err
         assert err.count("error:") == 1
+    with pytest.raises(SystemExit) as exit:  # argparse's own refusal: usage, then one error line
+        cli(capsys, *base, "--create", "--preemptible", "--spot")
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("error:") == 1
+    assert "argument --spot: not allowed with argument --preemptible" in err
     monkeypatch.setenv("FLAXCHAT_LAUNCHER_STATE", str(shared_env / "none.json"))
     code, _, err = cli(capsys, "--run", "echo")
     assert code != 0 and "no --project given and no TPU VM remembered" in err

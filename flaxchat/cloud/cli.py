@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     vm.add_argument("--accelerator", "--accelerator-type", dest="accelerator",
                     help=f"e.g. v4-8, v5litepod-16, v5p-32, v6e-64 (default {TPUConfig.accelerator_type})")
     vm.add_argument("--runtime-version", help="TPU VM image (default: Google's for the generation)")
-    vm.add_argument("--preemptible", action="store_true", default=None, help="a preemptible VM (cheaper)")
-    vm.add_argument("--spot", action="store_true", default=None, help="spot capacity via a queued resource")
+    capacity = vm.add_mutually_exclusive_group()  # a spot VM comes through a queued resource, a preemptible one not
+    capacity.add_argument("--preemptible", action="store_true", default=None, help="a preemptible VM (cheaper)")
+    capacity.add_argument("--spot", action="store_true", default=None, help="spot capacity via a queued resource")
     vm.add_argument("--backend", choices=["gcloud", "local"], help="local: rehearse with the emulator here")
     vm.add_argument("--emulator-dir", help="state folder of the local emulator (default ~/.flaxchat/emulator)")
     vm.add_argument("--coordinator-port", type=int, help=f"JAX coordinator port (default {g.COORDINATOR_PORT})")
