@@ -1,6 +1,7 @@
 """Benchmarks: each prints its figures beside a baseline timed in the same run."""
 
 import argparse
+import math
 import time
 
 
@@ -27,3 +28,20 @@ def parse_rounds(argv, doc: str, default: int) -> argparse.Namespace:
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1.")
     return args
+
+
+def median_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+    """The median of `values` and an interval that holds the true median with probability `level`,
+    whatever the noise's shape: the order statistics x_(k) and x_(n+1-k), with k the largest rank
+    that leaves at most (1 - level)/2 of Binomial(n, 1/2) below it. With too few values for that
+    (n < 6 at 95%) the interval is their whole range."""
+    v = sorted(float(x) for x in values)
+    n = len(v)
+    if n == 0:
+        raise ValueError("no values")
+    tail, below, k = (1 - level) / 2, 0.0, 0
+    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    mid = (v[(n - 1) // 2] + v[n // 2]) / 2
+    return (mid, v[k - 1], v[n - k]) if k else (mid, v[0], v[-1])

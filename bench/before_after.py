@@ -244,8 +244,10 @@ def compare(args, sections, shapes, base: Side, head: Side, sha: str, logs: Path
                                            "flaxchat", "--phases", "--steps", str(args.muon_steps), "--json",
                                            str(figures)], echo=True):
                 ph = json.loads(figures.read_text())["rows"][0]["phases"]
+                per = ph["muon-ns"]["share_per_round"]
                 summary.append(f"muon    head run {k + 1}: muon-ns {ph['muon-ns']['ms']:.1f} ms, "
-                               f"{ph['muon-ns']['of_step']:.1f}% of a {ph['step']['ms']:.1f} ms step")
+                               f"{ph['muon-ns']['of_step']:.1f}% of a {ph['step']['ms']:.1f} ms step; per round "
+                               f"{per['median']:.1f}% (95% interval {per['low']:.1f}-{per['high']:.1f}%)")
 
     if "losses" in sections:
         script = str(HEAD_ROOT / "bench" / "same_losses.py")

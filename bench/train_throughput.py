@@ -29,7 +29,10 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
              names) + rest (momentum, MuonEq/NorMuon normalisations, weight decay, the AdamW groups)
   Under each difference, the median and the middle half of the rounds' own differences (a round's
   steps run back to back; the headline is the difference of the medians, so the phases add up to
-  the step, and on a host that drifts it can fall outside that middle half). On a shared 2-core
+  the step, and on a host that drifts it can fall outside that middle half). Under muon-ns also
+  its share of each round's own step, with a 95% interval for that share's median (order
+  statistics; no assumption about the noise): a threshold inside the interval is not decided by
+  the run. On a shared 2-core
   host one 2K-token step can differ from the next by 10%, so a phase of a few percent of config A's
   step needs many rounds: on one Intel Xeon within the hour, muon-ns read 69.0 ms (17.6% of the
   step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its rounds' middle half
@@ -67,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench import interleaved
+from bench import interleaved, median_interval
 from flaxchat import ops
 from flaxchat.common import matmul_flops, read_cpuinfo
 from flaxchat.config import GPTConfig
@@ -272,6 +275,9 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     between = {phase: ms[a] - ms[b] for phase, (a, b) in DIFFERENCES.items()}
     spread = {phase: tuple(float(q) for q in np.percentile(rounds[a] - rounds[b], [25, 50, 75]))
               for phase, (a, b) in DIFFERENCES.items()}
+    # Muon's share of each round's own step, and a 95% interval for its median: whether this run
+    # can tell a share from a threshold.
+    share = median_interval(100 * (rounds["full"] - rounds["no-ns"]) / rounds["full"])
     # Polar Express alone, on the gradients of the (by now trained a few steps) full model.
     runs["full"].sync()
     model = models["full"]
@@ -306,7 +312,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             "ns-bf16o": (alone[BF16_OPERANDS][0], flops[BF16_OPERANDS]),
             "ns-products": (products_ms, products_flops),
             "diff": {"bf16": diff("bfloat16"), BF16_PRODUCTS: diff(BF16_PRODUCTS), BF16_OPERANDS: diff(BF16_OPERANDS)},
-            "spread": spread}
+            "spread": spread, "share": share}
 
 
 ABLATIONS = {  # name -> {ops function replaced: its stand-in}; the stand-ins keep every input used
@@ -500,7 +506,7 @@ def main(argv=None):
                 first = len(probe.samples)
                 split = phases(cfg, rows, accum, args.steps, probe=probe)
                 peak = float(np.median(probe.samples[first:]))  # the peak of these rounds
-                diffs, spread = split.pop("diff"), split.pop("spread")
+                diffs, spread, per_round = split.pop("diff"), split.pop("spread"), split.pop("share")
                 step_ms = split["step"][0]
                 # Polar Express's fastest rate alone this run: muon-ns is noise only above it
                 alone = max(f / (m / 1e3) for k, (m, f) in split.items() if k.startswith("ns-") and m > 0)
@@ -508,6 +514,8 @@ def main(argv=None):
                     phase: dict(ms=ms, of_step=100 * ms / step_ms,
                                 of_peak=100 * flops / (ms / 1e3) / peak if flops and ms > 0 else None)
                     for phase, (ms, flops) in split.items()}
+                figures["rows"][-1]["phases"]["muon-ns"]["share_per_round"] = dict(
+                    median=per_round[0], low=per_round[1], high=per_round[2], level=0.95, rounds=args.steps)
                 for phase, (ms, flops) in split.items():
                     share = f"{100 * ms / step_ms:5.1f}% of the step"
                     at_peak = f", {100 * flops / (ms / 1e3) / peak:5.1f}% of peak ({flops / 1e9:,.1f} GFLOP)" if flops and ms > 0 else ""
@@ -517,6 +525,9 @@ def main(argv=None):
                         lo, mid, hi = spread[phase]
                         print(f"{'':6}   {'':10} rounds' own differences: median {mid:.1f}, middle half {lo:.1f} to "
                               f"{hi:.1f} ms", flush=True)
+                    if phase == "muon-ns":
+                        print(f"{'':6}   {'':10} its share of each round's step: median {per_round[0]:.1f}%, 95% interval "
+                              f"for that median {per_round[1]:.1f}% to {per_round[2]:.1f}% ({args.steps} rounds)", flush=True)
                 print(f"{'':6}   against fp32, Polar Express in bf16 changes the update by {diffs['bf16']:.1e}, in "
                       f"{BF16_PRODUCTS} by {diffs[BF16_PRODUCTS]:.1e}, in {BF16_OPERANDS} by {diffs[BF16_OPERANDS]:.1e} "
                       "(median relative Frobenius difference over "

@@ -62,6 +62,8 @@ def test_every_section_runs_on_both_sides_and_is_summed_up(tmp_path, capsys):
     assert abs(ratio - speeds["head"] / speeds["base"]) < 1e-3, (ratio, speeds)
     muon = json.loads((tmp_path / "muon-1.head.json").read_text())["rows"][0]["phases"]["muon-ns"]
     assert f"muon    head run 1: muon-ns {muon['ms']:.1f} ms, {muon['of_step']:.1f}% of a" in out, out
+    per = muon["share_per_round"]
+    assert f"per round {per['median']:.1f}% (95% interval {per['low']:.1f}-{per['high']:.1f}%)" in out, out
     # The same code on both sides: the losses agree bit for bit.
     assert "losses  1 rows x 1: same (largest relative difference 0.0e+00" in out, out
     assert figures["cpu"].startswith("cpu: ") and figures["cpu"] in out

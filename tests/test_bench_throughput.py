@@ -12,7 +12,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from bench import train_throughput
+from bench import median_interval, train_throughput
 from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, polar_express
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +39,10 @@ def test_phases_split_the_real_step(capsys, tmp_path):
     spread = re.findall(r"^\s+rounds' own differences: median (-?[\d.]+), middle half (-?[\d.]+) to (-?[\d.]+) ms",
                         out, re.M)
     assert len(spread) == 3 and all(float(lo) <= float(mid) <= float(hi) for mid, lo, hi in spread), out
+    # And muon-ns its share of each round's step, with an interval for that share's median.
+    share = re.search(r"its share of each round's step: median (-?[\d.]+)%, 95% interval for that median "
+                      r"(-?[\d.]+)% to (-?[\d.]+)% \(1 rounds\)", out)
+    assert share and float(share.group(2)) <= float(share.group(1)) <= float(share.group(3)), out
     assert 0 < phase["fwd+bwd"] and 0 < phase["ns-fp32"] and 0 < phase["ns-bf16"], out
     m = re.search(r"in bf16 changes the update by ([\d.e+-]+), in bf16-products by ([\d.e+-]+), "
                   r"in bf16-operands by ([\d.e+-]+)", out)
@@ -57,6 +61,19 @@ def test_phases_split_the_real_step(capsys, tmp_path):
         assert abs(got["ms"] - phase[name]) <= 0.05, (name, got, out)
         assert abs(got["of_step"] - 100 * got["ms"] / saved["phases"]["step"]["ms"]) < 1e-9, (name, got)
     assert saved["phases"]["fwd+bwd"]["of_peak"] > 0 and saved["phases"]["rest"]["of_peak"] is None
+    per = saved["phases"]["muon-ns"]["share_per_round"]
+    assert f"{per['median']:.1f}" == share.group(1) and per["rounds"] == 1 and per["level"] == 0.95, per
+
+
+def test_the_median_interval_is_the_binomial_order_statistics():
+    values = list(range(30, 0, -1))  # 1..30, unsorted
+    mid, lo, hi = median_interval(values)
+    # n = 30 at 95%: P(Binomial(30, 1/2) <= 9) = 0.021 and <= 10 is 0.049 > 0.025, so ranks 10 and 21.
+    assert (mid, lo, hi) == (15.5, 10.0, 21.0)
+    assert median_interval(values, level=0.5)[1:] == (13.0, 18.0)  # P(B <= 12) = 0.18: ranks 13 and 18
+    assert median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)  # too few for 95%: the whole range
+    with pytest.raises(ValueError):
+        median_interval([])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", BF16_PRODUCTS, BF16_OPERANDS])
