@@ -2,6 +2,7 @@
 
 import argparse
 import math
+import statistics
 import time
 
 
@@ -43,5 +44,4 @@ def median_interval(values, level: float = 0.95) -> tuple[float, float, float]:
     while k < n and below + math.comb(n, k) / 2 ** n <= tail:
         below += math.comb(n, k) / 2 ** n
         k += 1
-    mid = (v[(n - 1) // 2] + v[n // 2]) / 2
-    return (mid, v[k - 1], v[n - k]) if k else (mid, v[0], v[-1])
+    return (statistics.median(v), v[k - 1], v[n - k]) if k else (statistics.median(v), v[0], v[-1])

@@ -32,11 +32,10 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
   the step, and on a host that drifts it can fall outside that middle half). Under muon-ns also
   its share of each round's own step, with a 95% interval for that share's median (order
   statistics; no assumption about the noise): a threshold inside the interval is not decided by
-  the run. On a shared 2-core
-  host one 2K-token step can differ from the next by 10%, so a phase of a few percent of config A's
-  step needs many rounds: on one Intel Xeon within the hour, muon-ns read 69.0 ms (17.6% of the
-  step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%) over 30, its rounds' middle half
-  31-71 ms.
+  the run. On a shared 2-core host one 2K-token step can differ from the next by 10%, so a phase
+  of a few percent of config A's step needs many rounds: on one Intel Xeon within the hour,
+  muon-ns read 69.0 ms (17.6% of the step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%)
+  over 30, its rounds' middle half 31-71 ms.
   ns-fp32, ns-bf16, ns-bf16p, ns-bf16o  Polar Express alone on the model's gradients, jitted on its
              own, in each dtype (bf16p: optim.BF16_PRODUCTS, bf16o: optim.BF16_OPERANDS), and how much
              bf16, bf16p and bf16o change the update against fp32 (what `optim.orthogonalisation_dtype`
