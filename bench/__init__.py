@@ -40,8 +40,9 @@ def median_interval(values, level: float = 0.95) -> tuple[float, float, float]:
     n = len(v)
     if n == 0:
         raise ValueError("no values")
-    tail, below, k = (1 - level) / 2, 0.0, 0
-    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
-        below += math.comb(n, k) / 2 ** n
+    tail, below, k = (1 - level) / 2, math.comb(n, 0) / 2 ** n, 0
+    while k < n and below <= tail:
         k += 1
-    return (statistics.median(v), v[k - 1], v[n - k]) if k else (statistics.median(v), v[0], v[-1])
+        below += math.comb(n, k) / 2 ** n
+    rank = max(k, 1)  # k = 0: too few values, the whole range
+    return statistics.median(v), v[rank - 1], v[n - rank]

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from bench import same_losses
 
 
@@ -22,28 +24,24 @@ def test_compare_fails_a_changed_loss_and_rejects_bad_flags(tmp_path, capsys):
     assert same_losses.main(["--steps", "2", "--rows", "1", "--compare", str(ref)]) == 1
     assert "DIFFERENT" in capsys.readouterr().out
     assert same_losses.main(["--steps", "3", "--rows", "1", "--compare", str(ref)]) == 2
+    (tmp_path / "notes.txt").write_text("not json")
+    (tmp_path / "dict.json").write_text('{"loss": 1.0}')
     for bad in (["--ulps", "-1"], ["--ulps", "2"], ["--compare", str(tmp_path / "missing.json")],
                 ["--compare", str(tmp_path / "notes.txt")], ["--compare", str(tmp_path / "dict.json")]):
-        (tmp_path / "notes.txt").write_text("not json")
-        (tmp_path / "dict.json").write_text('{"loss": 1.0}')
-        try:
+        with pytest.raises(SystemExit) as refused:
             same_losses.main(bad)
-        except SystemExit as e:
-            assert e.code == 2, bad
-            assert "error:" in capsys.readouterr().err, bad
-        else:
-            raise AssertionError(f"{bad} was accepted")
+        assert refused.value.code == 2, bad
+        assert "error:" in capsys.readouterr().err, bad
 
 
 def test_a_bad_compare_file_fails_before_any_step_runs(tmp_path, monkeypatch):
     ran = []
     monkeypatch.setattr(same_losses, "losses", lambda *a, **k: ran.append(1) or [1.0])
+    (tmp_path / "notes.txt").write_text("not json")
     for bad in (tmp_path / "missing.json", tmp_path / "notes.txt"):
-        (tmp_path / "notes.txt").write_text("not json")
-        try:
+        with pytest.raises(SystemExit) as refused:
             same_losses.main(["--steps", "1", "--compare", str(bad)])
-        except SystemExit as e:
-            assert e.code == 2
+        assert refused.value.code == 2
     assert ran == []
 
 
