@@ -192,11 +192,15 @@ def _gram_form(x: jax.Array, steps: int, bf16_x: bool = False) -> jax.Array:
     (fp32's standard iteration: 4-5e-6). docs/cpu_performance.md has the table.
 
     `bf16_x` (BF16_OPERANDS): the two products that read x, the first Gram matrix (of a wide x; see
-    `_gram`) and the final product, from bf16 operands; the chain stays fp32. On config A's
-    gradients that moved the rectangular matrices' result from 7.9e-6 to 3.1e-3 (wide) and 4.0e-3
-    (tall) of float64's, where the square ones' bf16 products are 1.6e-2 from it; Polar Express on
+    `_gram`) and the final product, from bf16 operands; the chain stays fp32. Polar Express on
     config A's 24 matrices went from 64.8 to 59.9 ms (2-core AMD EPYC, Zen 4; medians of 25
-    interleaved rounds, faster in every one).
+    interleaved rounds, faster in every one). On gradients of random tokens that moved the
+    rectangular matrices' result from 7.9e-6 to 3.1e-3 (wide) and 4.0e-3 (tall) of float64's; on
+    what Muon hands it while the main job learns the stories (`bench.ns_accuracy`), to 1.8e-2 and
+    1.2e-1 after 5 steps, 8.4e-3 and 3.3e-2 after 20, 8e-3 and 1.4e-2 after 60 (all bf16: 5.0e-2 and
+    1.7e-1, 4.9e-2 and 5.5e-2, 5.3e-2 and 5.1e-2). The tall one's loss is its final product: on
+    Muon's inputs from Zipf-distributed tokens, x·P from fp32 operands was 2.3e-3 from float64
+    after 5 steps where bf16 operands were 1.5e-1, for 0.55 ms more a matrix.
     """
     tall = x.shape[0] > x.shape[1]
     A = _gram(x, bf16=bf16_x)
@@ -324,7 +328,10 @@ def orthogonalisation_dtype(backend: str, cpu_bf16: bool | None = None, cpuinfo:
     config B's 48, and Polar Express in the main job's step from 16.2-17.1% to 14.5-15.2% of it.
     Against float64 the update moves by 1.6e-2 on the square matrices, where it was 1.4e-2 (bf16:
     5-7e-2), and by 3-4e-3 on the rectangular ones, where it was 8e-6; the main job's val bpb after
-    300 steps read 0.1455 against 0.1453 with bf16-products and with fp32. Not yet measured on an
+    300 steps read 0.1455 against 0.1453 with bf16-products and with fp32. Those differences are
+    on random tokens' gradients; text-trained ones are worse conditioned, and there the tall
+    matrices move by 1.2e-1 after 5 steps and 1.4e-2 after 60, still less than bf16's 1.7e-1 and
+    5.1e-2 (`bench.ns_accuracy`, in `_gram_form`). Not yet measured on an
     Intel CPU, so Intel keeps BF16_PRODUCTS. docs/cpu_performance.md has the runs.
 
     A CPU flag, not a timing probe: a probe on a busy machine could choose differently in two runs

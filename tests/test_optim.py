@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bench.ns_accuracy import polar_express_f64  # the float64 reference the dtypes are measured against
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import OptimConfig, Schedule, build_optimizer, labels_for, param_label, polar_express
@@ -279,23 +280,11 @@ def test_ns_steps_zero_leaves_only_the_normalisations():
     assert float(s0.max() / s0.min()) > 3 * float(s5.max() / s5.min())  # the iterations flatten the spectrum
 
 
-def _polar_express_f64(g: np.ndarray) -> np.ndarray:
-    """The same iteration in numpy float64: the reference the dtypes are measured against."""
-    from flaxchat.optim import POLAR_EXPRESS
-    x = g.astype(np.float64)
-    x = x * (np.linalg.norm(x) / math.sqrt(x.shape[1]) / np.maximum(np.linalg.norm(x, axis=0, keepdims=True), 1e-6))
-    x = x / (np.linalg.norm(x) * 1.01 + 1e-6)
-    for a, b, c in POLAR_EXPRESS:
-        A = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
-        x = a * x + ((b * A + c * A @ A) @ x if x.shape[0] <= x.shape[1] else x @ (b * A + c * A @ A))
-    return x
-
-
 @pytest.mark.parametrize("shape", [(256, 256), (192, 256)])
 def test_bf16_products_sit_between_fp32_and_bf16(shape):
     from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS
     g = jax.random.normal(jax.random.key(1), shape) * jnp.linspace(0.1, 3.0, shape[1])  # an uneven spectrum
-    ref = _polar_express_f64(np.asarray(g))
+    ref = polar_express_f64(np.asarray(g))
     err = {name: float(np.linalg.norm(np.asarray(polar_express(g, 5, dt), np.float64) - ref) / np.linalg.norm(ref))
            for name, dt in (("fp32", jnp.float32), ("bf16p", BF16_PRODUCTS), ("bf16o", BF16_OPERANDS),
                             ("bf16", jnp.bfloat16))}
@@ -314,7 +303,7 @@ def test_rectangular_matrices_take_the_gram_form_and_stay_close_to_float64(shape
     from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, GRAM_FORM_ASPECT, _gram_form
     assert max(shape) >= GRAM_FORM_ASPECT * min(shape)
     g = jax.random.normal(jax.random.key(2), shape) * jnp.linspace(0.1, 3.0, shape[1])
-    ref = _polar_express_f64(np.asarray(g))
+    ref = polar_express_f64(np.asarray(g))
     rel = lambda o: float(np.linalg.norm(np.asarray(o, np.float64) - ref) / np.linalg.norm(ref))
     o = polar_express(g, 5, BF16_PRODUCTS)
     # The bf16 products of the standard iteration land ~1e-2 away (the square test above); the Gram
