@@ -80,12 +80,13 @@ def muon_inputs(depth: int, at: list[int], rows: int = 8, seq: int = 256, vocab_
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     batches = story_rows(cfg.vocab_size, rows, seq, max(at) + 1, seed)
 
-    @jax.jit
-    def gradient(params, rest, x, y):  # the step's mean-loss gradient, as train_step normalises it
-        loss = lambda p: (lambda s, n: s / n)(*_micro_loss(p, graphdef, rest, x, y))  # noqa: E731
-        return jax.grad(loss)(params)
-
     graphdef = nnx.graphdef(model)
+
+    def mean_loss(params, rest, x, y):  # as train_step normalises it: per counted token
+        total, count = _micro_loss(params, graphdef, rest, x, y)
+        return total / count
+
+    gradient = jax.jit(jax.grad(mean_loss))
     momentum, out = None, {}
     for step, batch in enumerate(batches):
         x, y = jnp.asarray(batch[:, :-1]), jnp.asarray(batch[:, 1:])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bench.ns_accuracy import polar_express_f64  # the float64 reference the dtypes are measured against
+from bench.ns_accuracy import polar_express_f64, relative_difference  # the float64 reference and the distance to it
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import OptimConfig, Schedule, build_optimizer, labels_for, param_label, polar_express
@@ -285,7 +285,7 @@ def test_bf16_products_sit_between_fp32_and_bf16(shape):
     from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS
     g = jax.random.normal(jax.random.key(1), shape) * jnp.linspace(0.1, 3.0, shape[1])  # an uneven spectrum
     ref = polar_express_f64(np.asarray(g))
-    err = {name: float(np.linalg.norm(np.asarray(polar_express(g, 5, dt), np.float64) - ref) / np.linalg.norm(ref))
+    err = {name: relative_difference(polar_express(g, 5, dt), ref)
            for name, dt in (("fp32", jnp.float32), ("bf16p", BF16_PRODUCTS), ("bf16o", BF16_OPERANDS),
                             ("bf16", jnp.bfloat16))}
     # fp32 is float64's iteration to rounding; bf16 operands cost accuracy, bf16 iterates more.
@@ -304,7 +304,7 @@ def test_rectangular_matrices_take_the_gram_form_and_stay_close_to_float64(shape
     assert max(shape) >= GRAM_FORM_ASPECT * min(shape)
     g = jax.random.normal(jax.random.key(2), shape) * jnp.linspace(0.1, 3.0, shape[1])
     ref = polar_express_f64(np.asarray(g))
-    rel = lambda o: float(np.linalg.norm(np.asarray(o, np.float64) - ref) / np.linalg.norm(ref))
+    rel = lambda o: relative_difference(o, ref)  # noqa: E731
     o = polar_express(g, 5, BF16_PRODUCTS)
     # The bf16 products of the standard iteration land ~1e-2 away (the square test above); the Gram
     # form in fp32 stays within rounding of the float64 iteration, its condition number squared.
