@@ -46,3 +46,10 @@ def median_interval(values, level: float = 0.95) -> tuple[float, float, float]:
         below += math.comb(n, k) / 2 ** n
     rank = max(k, 1)  # k = 0: too few values, the whole range
     return statistics.median(v), v[rank - 1], v[n - rank]
+
+
+def relative_difference(out, ref) -> float:
+    """||out - ref|| / ||ref|| (Frobenius), in float64: how far a form's result lands from a reference."""
+    import numpy as np
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))

@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from bench import relative_difference
+
 DTYPES = ("float32", "bf16-products", "bf16-operands", "bfloat16")
 
 
@@ -41,10 +43,6 @@ def polar_express_f64(g: np.ndarray, steps: int = 5) -> np.ndarray:
     return x
 
 
-def relative_difference(out, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))
-
-
 def story_rows(vocab_size: int, rows: int, seq: int, count: int, seed: int = 0) -> np.ndarray:
     """`count` batches of (rows, seq + 1) tokens of the built-in stories, documents joined by BOS."""
     from flaxchat.data.sources import resolve_source
@@ -60,9 +58,10 @@ def story_rows(vocab_size: int, rows: int, seq: int, count: int, seed: int = 0) 
 
 
 def muon_inputs(depth: int, at: list[int], rows: int = 8, seq: int = 256, vocab_size: int = 4096,
-                seed: int = 0) -> dict[int, list[np.ndarray]]:
+                seed: int = 0, log=None) -> dict[int, list[np.ndarray]]:
     """{step: the matrices Muon's update hands to Polar Express at that step}, from a real training
-    run of the default recipe (fp32 Polar Express) on the stories."""
+    run of the default recipe (fp32 Polar Express) on the stories. `log` (e.g. print) hears of each
+    step taken."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -97,6 +96,8 @@ def muon_inputs(depth: int, at: list[int], rows: int = 8, seq: int = 256, vocab_
         momentum = [m + (1 - mom) * (g - m) for m, g in zip(momentum, grads)]
         if step in at:
             out[step] = [(g + mom * (m - g)).astype(np.float32) for g, m in zip(grads, momentum)]
+        if log is not None and step in at:
+            log(f"step {step} of {max(at)}: Muon's inputs taken")
         train_step(model, optimizer, x[None], y[None])
     return out
 
@@ -142,7 +143,7 @@ def main(argv=None):
     from flaxchat.optim import orthogonalisation_dtype
     print(cpu_line())
     default = orthogonalisation_dtype(jax.default_backend())
-    table = measure(muon_inputs(args.depth, at))
+    table = measure(muon_inputs(args.depth, at, log=lambda line: print(line, flush=True)))
     print("relative Frobenius difference to float64's standard iteration, median (largest) over the matrices of a "
           f"shape; * = this machine's default ({default})")
     names = [dt + ("*" if dt == default else "") for dt in DTYPES]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench import interleaved, parse_rounds
+from bench import interleaved, parse_rounds, relative_difference
 
 # (m, k, n, what): config A's step at 2,048 tokens (d=256, MLP 1,024, vocab 4,096).
 SHAPES = [
@@ -85,7 +85,7 @@ def measure(m: int, k: int, n: int, rounds: int, seed: int = 0) -> dict[str, tup
         except Exception as e:  # a backend without that algorithm: say so and go on
             print(f"  {name}: not run here ({str(e).splitlines()[0][:120]})")
             continue
-        runs[name], errors[name] = run, float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
+        runs[name], errors[name] = run, relative_difference(out, exact)
     times = interleaved(runs, (a, b), rounds)
     flops = 2.0 * m * k * n
     return {name: (flops / np.median(times[name]) / 1e9, errors[name]) for name in runs}

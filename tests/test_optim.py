@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bench.ns_accuracy import polar_express_f64, relative_difference  # the float64 reference and the distance to it
+from bench import relative_difference
+from bench.ns_accuracy import polar_express_f64  # the float64 reference the dtypes are measured against
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import OptimConfig, Schedule, build_optimizer, labels_for, param_label, polar_express
