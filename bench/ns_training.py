@@ -14,7 +14,6 @@ float64; this bench says whether the trained model notices. Flags after `--` go 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -29,8 +28,8 @@ SECONDS_PER_STEP = 5.0  # a bound on one run: far above the ~0.3 s a step of the
 
 def final_val_bpb(run_dir: str) -> float:
     """The last validation bpb in a run folder's metrics.jsonl."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        vals = [r["val_bpb"] for r in map(json.loads, f) if r.get("kind") == "val"]
+    from flaxchat.report import MetricsLog
+    vals = [r["val_bpb"] for r in MetricsLog(os.path.join(run_dir, "metrics.jsonl")).read() if r.get("kind") == "val"]
     if not vals:
         raise RuntimeError(f"{run_dir} has no validation figure")
     return vals[-1]
