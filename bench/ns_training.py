@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from flaxchat.errors import UserError, cli_main
+
 DTYPES = ("float32", "bf16-products", "bf16-operands", "bfloat16")
 SECONDS_PER_STEP = 5.0  # a bound on one run: far above the ~0.3 s a step of the main job takes here
 
@@ -31,7 +33,7 @@ def final_val_bpb(run_dir: str) -> float:
     from flaxchat.report import MetricsLog
     vals = [r["val_bpb"] for r in MetricsLog(os.path.join(run_dir, "metrics.jsonl")).read() if r.get("kind") == "val"]
     if not vals:
-        raise RuntimeError(f"{run_dir} has no validation figure")
+        raise UserError(f"{run_dir} has no validation figure.")
     return vals[-1]
 
 
@@ -39,11 +41,16 @@ def train(run_dir: str, dtype: str, seed: int, steps: int, depth: int, extra: li
     """One main-job run in a fresh process; its final validation bpb."""
     cmd = [sys.executable, "-m", "scripts.run_tinystories", f"--depth={depth}", f"--steps={steps}",
            f"--ns-dtype={dtype}", f"--seed={seed}", f"--run-dir={run_dir}", "--no-export", *extra]
+    limit = 600 + SECONDS_PER_STEP * steps
     with open(run_dir + ".log", "w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=600 + SECONDS_PER_STEP * steps)
+        try:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise UserError(f"the run with --ns-dtype={dtype} --seed={seed} did not finish in {limit:.0f} s; "
+                            f"its output is in {run_dir}.log.") from None
     if done.returncode != 0:
-        raise RuntimeError(f"the run with --ns-dtype={dtype} --seed={seed} failed (exit {done.returncode}); "
-                           f"its output is in {run_dir}.log")
+        raise UserError(f"the run with --ns-dtype={dtype} --seed={seed} failed (exit {done.returncode}); "
+                        f"its output is in {run_dir}.log.")
     return final_val_bpb(run_dir)
 
 
@@ -90,4 +97,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli_main(main))

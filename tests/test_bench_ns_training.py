@@ -1,10 +1,12 @@
 """bench.ns_training: the main job per Polar Express dtype, each a real run in its own process."""
 import json
 import math
+import re
 
 import pytest
 
 from bench import ns_training
+from flaxchat.errors import UserError, cli_main
 
 TINY = ["--", "--eval-tokens", "2048", "--max-chars-tokenizer", "200000", "--vocab-size", "512",
         "--num-samples", "0", "--sequence-len", "64"]
@@ -27,10 +29,11 @@ def test_each_dtype_trains_its_own_run_and_is_tabulated(tmp_path, capsys):
     assert table[3].split()[0] == "bfloat16"
 
 
-def test_a_failed_run_names_its_log(tmp_path):
-    with pytest.raises(RuntimeError, match="failed .*exit 2.*float32_seed0.log"):
-        ns_training.main(["--steps", "1", "--depth", "1", "--seeds", "0", "--dtypes", "float32",
-                          "--keep", str(tmp_path), "--", "--no-such-flag"])
+def test_a_failed_run_is_one_sentence_naming_its_log(tmp_path, capsys):
+    code = cli_main(ns_training.main, ["--steps", "1", "--depth", "1", "--seeds", "0", "--dtypes", "float32",
+                                       "--keep", str(tmp_path), "--", "--no-such-flag"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and re.search("failed .*exit 2.*float32_seed0.log", err)
     assert "--no-such-flag" in (tmp_path / "float32_seed0.log").read_text()
 
 
@@ -46,5 +49,5 @@ def test_bad_flags_are_one_sentence(argv, says, capsys):
 
 def test_a_run_without_a_validation_figure_is_an_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 3.0}) + "\n")
-    with pytest.raises(RuntimeError, match="no validation figure"):
+    with pytest.raises(UserError, match="no validation figure"):
         ns_training.final_val_bpb(str(tmp_path))
