@@ -73,6 +73,8 @@ def main(argv=None) -> dict:
         p.error(f"--seeds takes comma-separated integers, not {args.seeds!r}")
     if dtypes[0] != "float32" or any(dt not in DTYPES for dt in dtypes):
         p.error(f"--dtypes starts with float32 and names only {', '.join(DTYPES)}, not {args.dtypes!r}")
+    if len(set(seeds)) < len(seeds) or len(set(dtypes)) < len(dtypes):
+        p.error("--seeds and --dtypes name each value once")
     if args.steps < 1 or args.depth < 1:
         p.error("--steps and --depth are at least 1")
 
@@ -84,8 +86,9 @@ def main(argv=None) -> dict:
         os.makedirs(folder, exist_ok=True)
         for seed in seeds:  # seeds outermost: a drifting host shifts whole seeds, not whole dtypes
             for dt in dtypes:
-                t = time.perf_counter()
-                bpb[dt][seed] = train(os.path.join(folder, f"{dt}_seed{seed}"), dt, seed, args.steps, args.depth, extra)
+                t, run_dir = time.perf_counter(), os.path.join(folder, f"{dt}_seed{seed}")
+                print(f"seed {seed} {dt}: training {args.steps} steps (its output: {run_dir}.log)", flush=True)
+                bpb[dt][seed] = train(run_dir, dt, seed, args.steps, args.depth, extra)
                 print(f"seed {seed} {dt}: val bpb {bpb[dt][seed]:.5f} ({time.perf_counter() - t:.0f} s)", flush=True)
     print(f"validation bpb after {args.steps} steps (depth {args.depth}); diff = mean over seeds of (dtype - float32)")
     print(f"{'dtype':<14}" + "".join(f"{'seed ' + str(s):>10}" for s in seeds) + f"{'mean':>10}{'diff':>10}")

@@ -17,6 +17,7 @@ def test_each_dtype_trains_its_own_run_and_is_tabulated(tmp_path, capsys):
     bpb = ns_training.main(["--steps", "2", "--depth", "1", "--seeds", "0", "--dtypes", "float32,bfloat16",
                             "--keep", str(tmp_path), *TINY])
     out = capsys.readouterr().out
+    assert f"seed 0 bfloat16: training 2 steps (its output: {tmp_path / 'bfloat16_seed0'}.log)" in out  # progress
     assert set(bpb) == {"float32", "bfloat16"}
     for dt in bpb:
         run = tmp_path / f"{dt}_seed0"
@@ -40,6 +41,7 @@ def test_a_failed_run_is_one_sentence_naming_its_log(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [(["--dtypes", "bfloat16"], "--dtypes starts with float32"),
                                         (["--dtypes", "float32,fp8"], "--dtypes starts with float32"),
                                         (["--seeds", "one"], "--seeds takes comma-separated integers"),
+                                        (["--seeds", "0,0"], "--seeds and --dtypes name each value once"),
                                         (["--steps", "0"], "--steps and --depth are at least 1")])
 def test_bad_flags_are_one_sentence(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
