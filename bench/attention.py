@@ -6,7 +6,7 @@
 Each variant is `jax.grad` of sum(attention(q, k, v) * dO) with respect to q, k and v, jitted on its
 own; the rounds alternate between the variants (a shared host drifts), and each row prints the
 median and the median of its paired difference to the first variant:
-  tiles      the kernel as the model runs it (`ops.causal_attention`: SHORT_TILE-query tiles unrolled
+  tiles      the kernel as the model runs it (`kernels.cpu_attention.causal_attention`: SHORT_TILE-query tiles unrolled
              up to SHORT_TOKENS tokens, loops beyond)
   blocks128  the kernel before the tiles: 128-key blocks, unrolled only up to two of them (T <= 256)
   loops      the loops at every length (128-key blocks)
@@ -24,6 +24,7 @@ import numpy as np
 
 from bench import interleaved
 from flaxchat import ops
+from flaxchat.kernels import cpu_attention
 
 # (B, T, heads, head_dim, window): a micro-batch of the main job / config A at 2K and 16K tokens
 # per step, and config B's short and long layers (bench.train_throughput's configs).
@@ -32,16 +33,16 @@ SHAPES = [(8, 256, 4, 64, 128), (4, 256, 4, 64, 256), (2, 512, 8, 64, 128), (2, 
 
 @contextlib.contextmanager
 def _short(tile: int, tokens: int):
-    saved = ops.SHORT_TILE, ops.SHORT_TOKENS
-    ops.SHORT_TILE, ops.SHORT_TOKENS = tile, tokens
+    saved = cpu_attention.SHORT_TILE, cpu_attention.SHORT_TOKENS
+    cpu_attention.SHORT_TILE, cpu_attention.SHORT_TOKENS = tile, tokens
     try:
         yield
     finally:
-        ops.SHORT_TILE, ops.SHORT_TOKENS = saved
+        cpu_attention.SHORT_TILE, cpu_attention.SHORT_TOKENS = saved
 
 
 def _blockwise(q, k, v, window):
-    return ops.causal_attention(q, k, v, window, 128)  # the model's attn_block
+    return cpu_attention.causal_attention(q, k, v, window, 128)  # the model's attn_block
 
 
 VARIANTS = {  # name -> (how the kernel is set while it traces, the attention function)
@@ -93,7 +94,7 @@ def main(argv=None):
             raise SystemExit(f"--shape takes four whole numbers B,T,heads,head_dim (got {args.shape!r}).")
         shapes = [(B, T, H, D, args.window or T)]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; attention forward+backward, fp32, "
-          f"SHORT_TILE {ops.SHORT_TILE}, SHORT_TOKENS {ops.SHORT_TOKENS}")
+          f"SHORT_TILE {cpu_attention.SHORT_TILE}, SHORT_TOKENS {cpu_attention.SHORT_TOKENS}")
     for shape in shapes:
         times = time_variants(shape, args.rounds, names)
         base = np.array(times[names[0]])
@@ -105,6 +106,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()
+    from flaxchat.kernels import tune_process
+    tune_process()
     main()

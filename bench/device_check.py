@@ -72,7 +72,6 @@ def peak_memory(compiled) -> tuple[int, str]:
 def run_one(depth: int, kernel: str, args, dtype, peak_total: float) -> dict:
     """Build, compile and time the real train step of `depth` with attention `kernel`."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -80,14 +79,16 @@ def run_one(depth: int, kernel: str, args, dtype, peak_total: float) -> dict:
     from flaxchat import sharding
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT, estimate_flops
+    from flaxchat.kernels import choose
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
     from bench.scale import pure_step
 
-    cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq, attention=kernel)
+    cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq)
+    kernels = choose(attention=kernel)
     mesh = sharding.make_mesh(jax.devices(), "dp")
-    ns = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
-    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, ns_dtype=ns), Schedule(1000))
-    model, opt = sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype),
+    ns = kernels.ns_dtype  # as pretraining picks it here
+    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, ns_dtype=ns), Schedule(1000), kernels)
+    model, opt = sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels),
                                          lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), mesh)
     flops = estimate_flops(model, window_aware=False)
     graphdef, state = nnx.split((model, opt))
@@ -159,6 +160,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()
+    from flaxchat.kernels import tune_process
+    tune_process()
     raise SystemExit(cli_main(main))

@@ -108,7 +108,7 @@ def step_kernels() -> int:
 def profile_step(engine, prompt, new: int) -> None:
     """Where a batch-1 decode step's time goes: XLA:CPU's per-kernel trace events (one greedy run under
     jax.profiler), summed per step by kind, matrix products by output shape."""
-    from bench import profiling
+    from bench.cpu import profiling
     decode_run(engine, prompt, new, temperature=0.0, chunk=4096)
     done = []
     text = next(fn.as_text() for key, fn in E._COMPILED.items() if key[1] == "advance")
@@ -243,7 +243,7 @@ def main(argv=None) -> None:
     if args.prompt_len >= CONFIG_A.sequence_len:
         raise UserError(f"--prompt-len must be below config A's context of {CONFIG_A.sequence_len} tokens.")
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
-        from bench import profiling
+        from bench.cpu import profiling
         profiling.enable()
     bench_engine(args)
     if args.main_run and args.draft_run:

@@ -56,7 +56,7 @@ def parse_args(argv):
     p.add_argument("--device-batch", default=None,
                    help="comma-separated rows per device, one table row each, e.g. 8,16,32 "
                         "(pretrain's --device-batch-size; default: 8 unless --batch is given)")
-    p.add_argument("--attention", default="auto", help="attention kernel (flaxchat.ops; auto is blockwise on these "
+    p.add_argument("--attention", default="auto", help="attention kernel (flaxchat.kernels; auto is blockwise on these "
                    "CPU devices, whose memory, O(T), is what splash and cuDNN also keep) (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s, pretrain's)")
     p.add_argument("--grad-checkpoint", action="store_true", help="rematerialise each block in the backward pass")
@@ -108,16 +108,17 @@ def parse_args(argv):
 
 
 def fake_devices(n: int) -> None:
-    """N CPU devices; XLA reads the flag once, when JAX starts, so this must run before `import jax`."""
-    if "jax" in sys.modules:
-        import jax
+    """N CPU devices. JAX reads the count once, when its backend starts: importing JAX beforehand is
+    fine (a CPU training process's malloc tuning does), computing with it is not."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend has started
         if jax.device_count() != n or jax.default_backend() != "cpu":
             raise UserError(f"JAX is already running with {jax.device_count()} {jax.default_backend()} device(s); "
-                            f"run `python -m bench.scale` in a fresh process for {n} fake CPU devices.")
-        return
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
+                            f"run `python -m bench.scale` in a fresh process for {n} fake CPU devices.") from None
 
 
 def available_ram() -> int:
@@ -134,7 +135,13 @@ def available_ram() -> int:
 # --- one depth under one layout ---------------------------------------------------------------------
 
 
-def build(cfg, dtype, mesh, abstract: bool):
+def kernels_of(args):
+    """The kernels record the bench's flags name (--attention, --grad-checkpoint)."""
+    from flaxchat.kernels import choose
+    return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+
+
+def build(cfg, dtype, mesh, abstract: bool, kernels=None):
     """(model, optimizer) placed on `mesh` by the sharding rules; ShapeDtypeStructs when `abstract`."""
     from flax import nnx
 
@@ -142,17 +149,17 @@ def build(cfg, dtype, mesh, abstract: bool):
     from flaxchat.gpt import GPT
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
 
-    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd), Schedule(1000))
+    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd), Schedule(1000), kernels)
 
     def make():
-        model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+        model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     if abstract:
         model, opt = nnx.eval_shape(make)
         sharding.shard_abstract(model, opt, mesh)
         return model, opt
-    return sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype),
+    return sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels),
                                    lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), mesh)
 
 
@@ -183,7 +190,7 @@ def compile_step(cfg, mesh, args, cheap: bool):
 
     # Built outside the mesh context, as pretrain does (under one, nnx.eval_shape would place each
     # variable by its own metadata instead of by our rules).
-    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True)
+    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True, kernels=kernels_of(args))
     batch = NamedSharding(mesh, P(None, sharding.BATCH))
     xs = jax.ShapeDtypeStruct((1, args.batch, cfg.sequence_len), jnp.int32, sharding=batch)
     graphdef, state = nnx.split((model, opt))
@@ -210,7 +217,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     from flaxchat.common import measured_matmul_peak
 
     mesh = sharding.make_mesh(jax.devices(), layout)
-    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True)
+    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True, kernels=kernels_of(args))
     param_dev = max(sharding.bytes_per_device(nnx.state(model, nnx.Param)).values())
     opt_dev = max(sharding.bytes_per_device(nnx.state(opt)).values())
     row = dict(params=sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param))),
@@ -247,7 +254,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
         compiled, seconds, batch = compile_step(cfg, mesh, args, cheap=False)
         row.update(compile_s=seconds, cheap=False)
     # --- one real step: allocate, warm up once (first-touch page faults), time the second ---
-    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=False)
+    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=False, kernels=kernels_of(args))
     real = nnx.state((model, opt))
     del model, opt
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, cfg.sequence_len), np.int32)
@@ -292,13 +299,12 @@ def main(argv=None) -> int:
     import jax
 
     from flaxchat.config import config_for_depth
-    from flaxchat.ops import resolve_attention
 
     t0 = time.perf_counter()
     print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} devices "
           f"on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; rows of {args.seq} tokens, "
           f"vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state fp32, attention "
-          f"{resolve_attention(args.attention).name}{', --grad-checkpoint' if args.grad_checkpoint else ''}", flush=True)
+          f"{kernels_of(args).attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}", flush=True)
     head = (f"{'depth':>5} {'layout':6} {'params':>8} {'param/dev':>9} {'opt/dev':>8} {'args':>7} {'temp':>7} "
             f"{'out':>7} {'peak/dev':>8} {'compile':>8} {'step':>9} {'rows':>4} "
             + " ".join(f"{name:>3}" for name, _ in CHIPS))
@@ -309,8 +315,7 @@ def main(argv=None) -> int:
     print("-" * len(head), flush=True)
     rows, all_rows = {}, []
     for depth in args.depth_list:
-        cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq, grad_checkpoint=args.grad_checkpoint,
-                               attention=args.attention)
+        cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq)
         if args.run_steps in ("none", "auto", "all"):
             run = {"none": "no", "auto": "auto", "all": "yes"}[args.run_steps]
         else:
@@ -353,6 +358,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()
+    from flaxchat.kernels import tune_process
+    tune_process()
     sys.exit(cli_main(main))

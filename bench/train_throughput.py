@@ -37,8 +37,8 @@ m x n matrix, m <= n, per iteration: 4m^2 n + 2m^3; in the Gram form: 4m^2 n + (
   muon-ns read 69.0 ms (17.6% of the step) over 4 steps and 46.2, 53.3 and 61.2 ms (12.1-12.2%)
   over 30, its rounds' middle half 31-71 ms.
   ns-fp32, ns-bf16, ns-bf16p, ns-bf16o  Polar Express alone on the model's gradients, jitted on its
-             own, in each dtype (bf16p: optim.BF16_PRODUCTS, bf16o: optim.BF16_OPERANDS), and how much
-             bf16, bf16p and bf16o change the update against fp32 (what `optim.orthogonalisation_dtype`
+             own, in each dtype (bf16p: cpu_muon.BF16_PRODUCTS, bf16o: cpu_muon.BF16_OPERANDS), and how much
+             bf16, bf16p and bf16o change the update against fp32 (what `kernels.cpu.orthogonalisation_dtype`
              weighs)
   ns-products  the products of the step's Polar Express alone (`products_alone`): the same dot_generals,
              shapes and dtypes, independent and with no elementwise work between them, timed in the
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import functools
 import json
@@ -71,12 +70,14 @@ from flax import nnx
 
 from bench import interleaved, median_interval
 from flaxchat import ops
-from flaxchat.common import matmul_flops, read_cpuinfo
+from flaxchat.common import matmul_flops
+from flaxchat.kernels import Kernels, choose
+from flaxchat.kernels.cpu import read_cpuinfo
+from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS, uses_gram_form
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, estimate_flops
-from flaxchat.optim import (BF16_OPERANDS, BF16_PRODUCTS, OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, param_label,
-                            polar_express, uses_gram_form)
-from flaxchat.train import StepLoop, halves_a_lone_micro_batch, side_by_side
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer, param_label
+from flaxchat.train import StepLoop
 
 CONFIGS = {  # A: the main job's shape (run_tinystories --depth=4); B: depth 8; S: a smoke size, seconds to compile
     "S": dict(cfg=GPTConfig(sequence_len=128, vocab_size=1024, n_layer=2, n_head=2, n_kv_head=2, n_embd=128),
@@ -88,16 +89,9 @@ CONFIGS = {  # A: the main job's shape (run_tinystories --depth=4); B: depth 8; 
 }
 
 
-@contextlib.contextmanager
-def autodiff_matmul():
-    """The baseline's matmul: jnp.matmul with autodiff's backward. (Attention is chosen through the
-    model's `attention` field; the matmul has no such field, its CPU backward being CPU-only.)"""
-    saved = ops.matmul
-    ops.matmul = jnp.matmul
-    try:
-        yield
-    finally:
-        ops.matmul = saved
+def baseline_kernels() -> Kernels:
+    """The baseline's kernels: dense XLA attention and jnp.matmul with autodiff's backward."""
+    return dataclasses.replace(choose(attention="xla"), matmul=ops.matmul)
 
 
 class PeakProbe:
@@ -158,12 +152,11 @@ def muon_matrices(state: nnx.State) -> list[jax.Array]:
 
 def step_optim(cfg: GPTConfig, optimizer: str = "muon", **kw) -> OptimConfig:
     """The optimizer of the real step, Polar Express in the dtype pretraining picks on this machine."""
-    return OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, ns_dtype=orthogonalisation_dtype(jax.default_backend()),
-                       **kw)
+    return OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, ns_dtype=choose().ns_dtype, **kw)
 
 
 def ns_flops(shape, steps: int = 5, dtype="float32") -> float:
-    """FLOPs of Polar Express on one matrix of `shape`, in the form `optim.polar_express` takes for
+    """FLOPs of Polar Express on one matrix of `shape`, in the form `cpu_muon.polar_express` takes for
     `dtype`: the standard iteration, or (BF16_PRODUCTS or BF16_OPERANDS, rectangular) the Gram form, which does
     4·steps - 3 products of m x m x m plus the Gram matrix and the final product."""
     m, n = sorted(shape[-2:])
@@ -239,7 +232,8 @@ def noise_note(phase: str, ms: float, flops: float | None, peak: float, ceiling:
     return f" [{'below zero' if ms < 0 else 'above peak'}: noise between the medians; rerun with more --steps]"
 
 
-def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, probe: PeakProbe | None = None) -> dict:
+def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, probe: PeakProbe | None = None,
+           kernels: Kernels | None = None) -> dict:
     """ms per step of each phase (see the module docstring), its FLOPs (None: not counted), and
     Polar Express alone in each dtype with the update difference bf16 and bf16-products make.
 
@@ -257,9 +251,11 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     y = jnp.roll(x, -1, axis=-1)
     variants = {"full": step_optim(cfg), "no-ns": step_optim(cfg, ns_steps=0), "noop": None}
     models, runs, times = {}, {}, {k: [] for k in variants}
+    kernels = kernels or choose()
+    polar_express = kernels.polar_express
     for name, oc in variants.items():
-        models[name] = GPT(cfg, rngs=nnx.Rngs(seed))
-        tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000))
+        models[name] = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
+        tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000), kernels)
         runs[name] = StepLoop(models[name], nnx.Optimizer(models[name], tx, wrt=nnx.Param))
         runs[name](x, y).block_until_ready()  # compile
     for _ in range(steps):
@@ -314,18 +310,20 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
             "spread": spread, "share": share}
 
 
-ABLATIONS = {  # name -> {ops function replaced: its stand-in}; the stand-ins keep every input used
-    "attention": {"attention": lambda q, k, v, window, kernel: v + 0 * q + 0 * k},
-    "rotary": {"rotary": lambda x, table: x, "rotary_rms_norm": lambda x, table, scale: ops.rms_norm(x) * scale},
-    "rms_norm": {"rms_norm": lambda x: x, "rotary_rms_norm": lambda x, table, scale: ops.rotary(x, table) * scale},
-    "cpu matmul backward": {"matmul": jnp.matmul},
+ABLATIONS = {  # name -> {kernels-record field or ops function replaced: its stand-in}; the stand-ins keep
+    # every input used
+    "attention": {"attention": lambda q, k, v, window, block: v + 0 * q + 0 * k},
+    "rotary": {"rotary_rms_norm": lambda x, table, scale: ops.rms_norm(x) * scale},
+    "rms_norm": {"ops.rms_norm": lambda x: x, "rotary_rms_norm": lambda x, table, scale: ops.rotary(x, table) * scale},
+    "cpu matmul backward": {"matmul": ops.matmul},
 }
 
 
-def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) -> dict:
+def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, kernels: Kernels | None = None) -> dict:
     """ms of forward+backward (the no-op optimizer's step) whole and without each of ABLATIONS.
 
-    Each variant is its own compiled step (the `ops` function is swapped while it traces); all run
+    Each variant is its own compiled step (a kernels record with the stand-in; an `ops` function is
+    swapped while it traces); all run
     in interleaved rounds in this process, so drift moves them alike. Traced profiles cannot give
     this: tracing inflates each of the step's ~1,800 small kernels."""
     import optax
@@ -333,13 +331,16 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
     runs, programs = {}, {}
+    kernels = kernels or choose()
     for name in ("whole", *ABLATIONS):
         stand_ins = ABLATIONS.get(name, {})
-        saved = {attr: getattr(ops, attr) for attr in stand_ins}
-        for attr, stand_in in stand_ins.items():
+        in_ops = {attr[4:]: fn for attr, fn in stand_ins.items() if attr.startswith("ops.")}
+        record = dataclasses.replace(kernels, **{k: v for k, v in stand_ins.items() if not k.startswith("ops.")})
+        saved = {attr: getattr(ops, attr) for attr in in_ops}
+        for attr, stand_in in in_ops.items():
             setattr(ops, attr, stand_in)
         try:
-            model = GPT(cfg, rngs=nnx.Rngs(seed))
+            model = GPT(cfg, rngs=nnx.Rngs(seed), kernels=record)
             opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
             runs[name] = StepLoop(model, opt)  # a jit of its own, traced here with the stand-in
             programs[name] = runs[name].lower(x, y).as_text()
@@ -348,7 +349,7 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
             for attr, fn in saved.items():
                 setattr(ops, attr, fn)
         if name != "whole" and programs[name] == programs["whole"]:
-            raise RuntimeError(f"replacing ops.{', ops.'.join(stand_ins)} did not change the step: the model no "
+            raise RuntimeError(f"replacing {', '.join(stand_ins)} did not change the step: the model no "
                                "longer calls it there")
     times = {k: [] for k in runs}
     for _ in range(steps):
@@ -359,10 +360,10 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0) 
     return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
 
 
-def real_step(cfg: GPTConfig, rows: int, accum: int, seed: int = 0):
+def real_step(cfg: GPTConfig, rows: int, accum: int, seed: int = 0, kernels: Kernels | None = None):
     """One real train step, compiled and run once: (run it again, its compiled module's text)."""
-    model = GPT(cfg, rngs=nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000)), wrt=nnx.Param)
+    model = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
+    opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000), kernels), wrt=nnx.Param)
     x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
     step = StepLoop(model, opt)  # as the stages call it
@@ -371,18 +372,18 @@ def real_step(cfg: GPTConfig, rows: int, accum: int, seed: int = 0):
     return (lambda: step(x, y).block_until_ready()), text
 
 
-def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int) -> None:
-    """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/profiling.py)."""
-    from bench import profiling
-    run, text = real_step(cfg, rows, accum)
+def profile_mode(what: str, cfg: GPTConfig, rows: int, accum: int, kernels: Kernels | None = None) -> None:
+    """Where one real train step's time goes, kernel by kernel (XLA:CPU trace; bench/cpu/profiling.py)."""
+    from bench.cpu import profiling
+    run, text = real_step(cfg, rows, accum, kernels=kernels)
     per_kind, kernels = profiling.kernel_times(run, text)
     profiling.print_table(what, per_kind, kernels, top=12)
 
 
-def cycles_mode(what: str, cfg: GPTConfig, rows: int, accum: int, steps: int) -> None:
-    """Where the process's CPU time goes over `steps` real train steps (perf samples; bench/cycles.py)."""
-    from bench import cycles
-    run, _ = real_step(cfg, rows, accum)
+def cycles_mode(what: str, cfg: GPTConfig, rows: int, accum: int, steps: int, kernels: Kernels | None = None) -> None:
+    """Where the process's CPU time goes over `steps` real train steps (perf samples; bench/cpu/cycles.py)."""
+    from bench.cpu import cycles
+    run, _ = real_step(cfg, rows, accum, kernels=kernels)
     run()  # a second call: the first one's buffers are not the steady state
     sampled = cycles.sample(run, calls=steps)
     if sampled:
@@ -390,11 +391,11 @@ def cycles_mode(what: str, cfg: GPTConfig, rows: int, accum: int, steps: int) ->
 
 
 def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, seed: int = 0,
-             probe: PeakProbe | None = None):
+             probe: PeakProbe | None = None, kernels: Kernels | None = None):
     """Median ms, tok/s and MFU of the real step; MFU per round against the peak timed just before
     that round's step (`PeakProbe`), then the median over rounds."""
-    model = GPT(cfg, rngs=nnx.Rngs(seed))
-    tx = build_optimizer(step_optim(cfg, optimizer), Schedule(1000))
+    model = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
+    tx = build_optimizer(step_optim(cfg, optimizer), Schedule(1000), kernels)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
@@ -452,7 +453,7 @@ def main(argv=None):
                         "with --phases each phase's ms, share of the step and share of the peak")
     args = p.parse_args(argv)
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
-        from bench import profiling
+        from bench.cpu import profiling
         profiling.enable()
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1.")
@@ -467,28 +468,26 @@ def main(argv=None):
 
     probe = PeakProbe()
     peak = probe.sample()
+    kernels = choose(attention=args.attention)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
           f"fp32 2048^3 matmul peak at the start: {peak / 1e9:.0f} GFLOP/s (each MFU below divides by the peak "
-          f"timed beside each step); the flaxchat modes' Polar Express in "
-          f"{orthogonalisation_dtype(jax.default_backend())} (optim.orthogonalisation_dtype), its micro-batches "
-          f"{side_by_side()} at a time (train.side_by_side)"
-          f"{', a lone one in halves' if halves_a_lone_micro_batch() else ''}")
+          f"timed beside each step); the flaxchat modes' {kernels.describe()}, Polar Express in "
+          f"{kernels.ns_dtype}, micro-batches {kernels.scan_unroll} at a time"
+          f"{', a lone one in halves' if kernels.halve_lone_micro_batch else ''} (flaxchat.kernels)")
     print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'peak':>7} {'compile':>8}")
     rows_seen = []  # (config, mode, FLOP/s) for the closing line against the run's best peak
     for name in args.configs.split(","):
         spec = CONFIGS[name]
-        cfg = dataclasses.replace(spec["cfg"], attention=args.attention)
+        cfg = spec["cfg"]
         T = cfg.sequence_len
         for mode in args.modes.split(","):
             if mode == "baseline":
-                with autodiff_matmul():
-                    r = run_mode(dataclasses.replace(cfg, attention="xla"), spec["rows"], 1, "adamw", args.steps,
-                                 probe=probe)
+                r = run_mode(cfg, spec["rows"], 1, "adamw", args.steps, probe=probe, kernels=baseline_kernels())
             elif mode == "flaxchat":
-                r = run_mode(cfg, spec["rows"], 1, "muon", args.steps, probe=probe)
+                r = run_mode(cfg, spec["rows"], 1, "muon", args.steps, probe=probe, kernels=kernels)
             elif mode == "flaxchat16k":
                 micro = spec["micro_rows"]
-                r = run_mode(cfg, micro, 16384 // (micro * T), "muon", args.steps, probe=probe)
+                r = run_mode(cfg, micro, 16384 // (micro * T), "muon", args.steps, probe=probe, kernels=kernels)
             else:
                 raise AssertionError(mode)  # MODES is checked above
             print(f"{name:6} {mode:12} {r['tokens']:>11,} {r['ms']:>9.1f} {r['tok_s']:>9,.0f} {r['mfu']:>5.1f}% "
@@ -498,12 +497,12 @@ def main(argv=None):
                                         peak_gflops=r["peak"] / 1e9))
             rows, accum = (spec["rows"], 1) if mode != "flaxchat16k" else (micro, 16384 // (micro * T))
             if args.profile and mode != "baseline":
-                profile_mode(f"one {mode} step of config {name}", cfg, rows, accum)
+                profile_mode(f"one {mode} step of config {name}", cfg, rows, accum, kernels)
             if args.cycles and mode != "baseline":
-                cycles_mode(f"a {mode} step of config {name}", cfg, rows, accum, args.steps)
+                cycles_mode(f"a {mode} step of config {name}", cfg, rows, accum, args.steps, kernels)
             if args.phases and mode != "baseline":
                 first = len(probe.samples)
-                split = phases(cfg, rows, accum, args.steps, probe=probe)
+                split = phases(cfg, rows, accum, args.steps, probe=probe, kernels=kernels)
                 peak = float(np.median(probe.samples[first:]))  # the peak of these rounds
                 diffs, spread, per_round = split.pop("diff"), split.pop("spread"), split.pop("share")
                 step_ms = split["step"][0]
@@ -532,7 +531,7 @@ def main(argv=None):
                       "(median relative Frobenius difference over "
                       "the block matrices)", flush=True)
             if args.ablate and mode != "baseline":
-                ms = ablations(cfg, rows, accum, args.steps)
+                ms = ablations(cfg, rows, accum, args.steps, kernels=kernels)
                 whole = ms.pop("whole")
                 print(f"{'':6}   fwd+bwd whole {whole:9.1f} ms  (a no-op optimizer; each line below: compiled without "
                       "that piece, timed interleaved)", flush=True)
@@ -552,6 +551,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()
+    from flaxchat.kernels import tune_process
+    tune_process()
     main()

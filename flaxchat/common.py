@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxchat.errors import UserError
+from flaxchat.kernels import Kernels, choose
 from flaxchat.sharding import BATCH, make_mesh, place_identical
 
 
@@ -30,6 +31,7 @@ class Compute:
     process_count: int
     backend: str
     compute_dtype: jnp.dtype
+    kernels: Kernels  # how the model runs here (flaxchat.kernels): attention, remat, ...
 
     @property
     def device_count(self) -> int:
@@ -84,31 +86,18 @@ def resolve_dtype(name: str = "auto") -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def compute_init(dtype: str = "auto", sharding: str = "dp") -> Compute:
+def compute_init(dtype: str = "auto", sharding: str = "dp", attention: str = "auto",
+                 grad_checkpoint: bool = False) -> Compute:
+    """Join the job, build the mesh, and make this backend's choices once: the compute dtype and
+    the kernels record (`flaxchat.kernels.choose`) every model of the process is built with."""
     maybe_initialize_distributed()
     mesh = make_mesh(jax.devices(), sharding)
     compute_dtype = resolve_dtype(dtype)
-    if dtype == "auto":  # say what auto chose, as the attention kernel's auto does
-        print0(f"dtype: {jnp.dtype(compute_dtype).name} (auto on {jax.default_backend()})")
+    kernels = choose(jax.default_backend(), attention, grad_checkpoint)
+    auto = " (auto)" if dtype == "auto" or attention == "auto" else ""
+    print0(f"compute: {jnp.dtype(compute_dtype).name} on {jax.default_backend()}{auto}; {kernels.describe()}")
     return Compute(mesh=mesh, process_index=jax.process_index(), process_count=jax.process_count(),
-                   backend=jax.default_backend(), compute_dtype=compute_dtype)
-
-
-def read_cpuinfo(text: str | None = None) -> dict[str, str]:
-    """The first value of each key of /proc/cpuinfo ("model name", "flags", "vendor_id", ...), or
-    of `text` (that file's contents, for tests); empty off Linux."""
-    if text is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                text = f.read()
-        except OSError:
-            return {}
-    info = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            info.setdefault(key.strip(), value.strip())
-    return info
+                   backend=jax.default_backend(), compute_dtype=compute_dtype, kernels=kernels)
 
 
 def print0(*args, **kwargs) -> None:

@@ -23,7 +23,6 @@ VOCAB_MULTIPLE = 64  # pad the embedding/LM head rows so matmuls tile well; logi
 # step); the one place they live: TrainConfig's flags, OptimConfig and the later stages read them.
 LR = dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5, smear_lr=0.2,
           weight_decay=0.28)
-ATTENTION_KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")  # flaxchat.ops.KERNELS
 NS_DTYPES = ("auto", "float32", "bfloat16", "bf16-products", "bf16-operands")  # flaxchat.optim's Polar Express dtypes
 
 
@@ -42,11 +41,9 @@ class GPTConfig:
     value_embeds: bool = True
     ve_gate_channels: int = 12  # input channels of the value-embedding gate (nanochat)
     ve_gate_scale: float = 3.0  # the gate is scale·sigmoid, in (0, scale) (nanochat)
-    grad_checkpoint: bool = False  # rematerialise each block in the backward pass (saves memory)
-    attn_block: int = 128  # query/key block of the blockwise attention (the unit of skipped work)
-    # Attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla,
-    # splash or cudnn (flaxchat.ops). It changes how, never what, the model computes.
-    attention: str = "auto"
+    attn_block: int = 128  # attention's block: short windows are whole blocks (the unit of skipped work)
+    # How the model runs (attention kernel, remat) is not the model: flaxchat.kernels, chosen per
+    # process (--attention, --grad-checkpoint). Checkpoints written when it was here still load.
 
     def __post_init__(self):
         self.validate()
@@ -66,10 +63,6 @@ class GPTConfig:
             bad(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head}), which grouped-query attention needs.")
         if self.head_dim % 2:
             bad(f"head_dim ({self.head_dim}) must be even for rotary embeddings.")
-        if self.attention not in ATTENTION_KERNELS:
-            bad(f"--attention must be one of {', '.join(ATTENTION_KERNELS)} (got {self.attention!r}).")
-        if self.attention == "splash" and self.sequence_len % 128:
-            bad(f"--attention splash needs a sequence length that is a multiple of 128 (got {self.sequence_len}).")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
             bad(f"window pattern {self.window_pattern!r} may only contain the letters S (short) and L (long), e.g. 'SSSL'.")
 
@@ -185,8 +178,9 @@ class TrainConfig:
             raise UserError(f"--lr-batch-scaling must be auto, on or off (got {self.lr_batch_scaling!r}).")
         if self.sharding not in ("auto", "dp", "fsdp"):
             raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
-        if self.attention not in ATTENTION_KERNELS:
-            raise UserError(f"--attention must be one of {', '.join(ATTENTION_KERNELS)} (got {self.attention!r}).")
+        from flaxchat.kernels import attention_names
+        if self.attention not in attention_names():
+            raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {self.attention!r}).")
         if self.attention == "splash" and self.sequence_len % 128:
             raise UserError(f"--attention splash needs a --sequence-len that is a multiple of 128 (got {self.sequence_len}).")
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -107,15 +107,16 @@ def forward_cached(model: GPT, cache: KVCache, idx: jax.Array, prev: jax.Array, 
 
 
 def prefill(model: GPT, idx: jax.Array, cache_len: int) -> tuple[jax.Array, KVCache]:
-    """Run the prompt idx (B,P) through the model with its training attention, filling a fresh cache
-    of `cache_len` positions. Returns (logits (B,P,V), cache). Padding after the real prompt is
-    harmless: causal attention keeps it out of the real positions, and decode overwrites it."""
+    """Run the prompt idx (B,P) through the model with the attention kernel of its kernels record
+    (splash on TPU, cuDNN on GPU, blockwise on CPU), filling a fresh cache of `cache_len`
+    positions. Returns (logits (B,P,V), cache). Padding after the real prompt is harmless: causal
+    attention keeps it out of the real positions, and decode overwrites it."""
     cfg = model.config
     box = [init_cache(cfg, idx.shape[0], cache_len, model.dtype)]
 
     def attend(layer, q, k, v, window):
         box[0] = _write(box[0], layer, k, v, 0)
-        return ops.causal_attention(q, k, v, window=window, block=cfg.attn_block)
+        return model.kernels.attention(q, k, v, window, cfg.attn_block)
 
     logits = model(idx, attend=attend)
     return logits, box[0]

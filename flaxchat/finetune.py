@@ -139,7 +139,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     from flaxchat.config import GPTConfig
     from flaxchat.gpt import GPT, param_count
     from flaxchat.loading import read_run, resolve
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
     from flaxchat.progress import Progress
     from flaxchat.stage import open_checkpoints
 
@@ -162,18 +162,18 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     lrs = base_learning_rates(base_meta)
     schedule = Schedule(max(steps, 1), warmup_steps=0, warmdown_ratio=optim.warmdown_ratio, final_lr_frac=0.0,
                         momentum="finetune", weight_decay="constant")
-    ns_dtype = orthogonalisation_dtype(compute.backend)  # bf16 on TPU/GPU; on a CPU by its bf16 dot instructions
+    ns_dtype = compute.kernels.ns_dtype  # bf16 on TPU/GPU; on a CPU by its bf16 dot instructions
     opt_cfg = OptimConfig(**{k: v for k, v in lrs.items() if k != "weight_decay"}, weight_decay=optim.weight_decay,
                           n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
 
     # --- placement: born sharded on the mesh, then the weights restored into those arrays -------
-    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype))
+    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels))
     layout = shard.choose(sharding, 4 * param_count(abstract), 2.0, shard.device_memory_bytes())
     compute = compute.with_sharding(layout)
     jax.set_mesh(compute.mesh)
     model, optimizer = shard.create_sharded(
-        lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype),
-        lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule), wrt=nnx.Param), compute.mesh)
+        lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels),
+        lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule, compute.kernels), wrt=nnx.Param), compute.mesh)
     step = 0
     if meta is not None:
         step = checkpointer.restore(model, optimizer, resume)["step"]

@@ -8,13 +8,14 @@ embedding), backout (subtract the mid-depth residual before the head), logits so
 15·tanh(x/15), optional tied embeddings, vocab padded to a multiple of 64.
 
 Parameters live in fp32; each matmul casts its weight to the compute dtype (bf16 on TPU/GPU).
+How the model runs on this backend (attention kernel, the linear layer's backward, remat, ...) is
+the `kernels` record it is built with (`flaxchat.kernels`); it never changes what it computes.
 Paths of the parameters (`blocks.3.attn.c_q.kernel`, ...) are the names the optimizer groups,
 checkpoints and exports use.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -23,8 +24,9 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import ops
-from flaxchat.sharding import constrain
 from flaxchat.config import GPTConfig
+from flaxchat.kernels import Kernels, choose
+from flaxchat.sharding import constrain
 
 SMEAR_CHANNELS = 24
 QK_SCALE = 1.2  # sharper attention after QK-norm, split between q and k (nanochat)
@@ -38,7 +40,7 @@ def _uniform(scale: float, low: float | None = None):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel (in, out), no bias; the fast-backward matmul of `ops`.
+    """y = x @ kernel, kernel (in, out), no bias, through the kernels record's matmul.
 
     `axes` are the kernel's logical axis names; `flaxchat.sharding` maps them to mesh axes.
     """
@@ -46,8 +48,8 @@ class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, init, rngs: nnx.Rngs, axes=(None, None)):
         self.kernel = nnx.Param(init(rngs.params(), (din, dout)), logical_axes=axes)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return ops.matmul(x, self.kernel[...].astype(x.dtype))
+    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        return kernels.matmul(x, self.kernel[...].astype(x.dtype))
 
 
 class Embedding(nnx.Module):
@@ -65,6 +67,7 @@ class Attention(nnx.Module):
         d, hd = cfg.n_embd, cfg.head_dim
         s = math.sqrt(3.0 / d)  # uniform with the std of N(0, 1/d); uniform avoids outliers
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
+        self.block = cfg.attn_block
         self.c_q = Linear(d, cfg.n_head * hd, init=_uniform(s), rngs=rngs, axes=("embed", "heads"))
         self.c_k = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs, axes=("embed", "kv"))
         self.c_v = Linear(d, cfg.n_kv_head * hd, init=_uniform(s), rngs=rngs, axes=("embed", "kv"))
@@ -79,28 +82,28 @@ class Attention(nnx.Module):
             self.ve = None
             self.ve_gate = None
 
-    def qkv(self, x: jax.Array, idx: jax.Array, rope: ops.RotaryTable):
+    def qkv(self, x: jax.Array, idx: jax.Array, rope: ops.RotaryTable, kernels: Kernels):
         B, T, _ = x.shape
-        q = self.c_q(x).reshape(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).reshape(B, T, self.n_kv_head, self.head_dim)
+        q = self.c_q(x, kernels).reshape(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x, kernels).reshape(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x, kernels).reshape(B, T, self.n_kv_head, self.head_dim)
         if self.ve is not None:
             # Value residual (ResFormer): a per-token value embedding, gated per kv head in (0, scale).
             ve = self.ve(idx).astype(x.dtype).reshape(B, T, self.n_kv_head, self.head_dim)
-            gate = self.ve_gate_scale * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]]))
+            gate = self.ve_gate_scale * jax.nn.sigmoid(self.ve_gate(x[..., :self.ve_gate.kernel.shape[0]], kernels))
             v = v + gate[..., None] * ve
-        q = ops.rotary_rms_norm(q, rope, QK_SCALE)
-        k = ops.rotary_rms_norm(k, rope, QK_SCALE)
+        q = kernels.rotary_rms_norm(q, rope, QK_SCALE)
+        k = kernels.rotary_rms_norm(k, rope, QK_SCALE)
         return q, k, v
 
-    def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernel: ops.Kernel, attend=None):
+    def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernels: Kernels, attend=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, idx, rope)
+        q, k, v = self.qkv(x, idx, rope, kernels)
         if attend is None:
-            y = ops.attention(q, k, v, window, kernel)
+            y = kernels.attention(q, k, v, window, self.block)
         else:
             y = attend(q, k, v, window)
-        return self.c_proj(y.reshape(B, T, -1))
+        return self.c_proj(y.reshape(B, T, -1), kernels)
 
 
 class MLP(nnx.Module):
@@ -110,8 +113,8 @@ class MLP(nnx.Module):
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, init=nnx.initializers.zeros_init(), rngs=rngs,
                              axes=("mlp", "embed"))
 
-    def __call__(self, x):
-        return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+    def __call__(self, x, kernels: Kernels):
+        return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x, kernels))), kernels)
 
 
 class Block(nnx.Module):
@@ -119,15 +122,18 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernel: ops.Kernel, attend=None):
-        x = x + self.attn(ops.rms_norm(x), idx, rope, window, kernel, attend)
-        return x + self.mlp(ops.rms_norm(x))
+    def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernels: Kernels, attend=None):
+        x = x + self.attn(ops.rms_norm(x), idx, rope, window, kernels, attend)
+        return x + self.mlp(ops.rms_norm(x), kernels)
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels: Kernels | None = None):
+        """`kernels`: how this backend runs the model (`flaxchat.kernels.choose()`, the backend's
+        defaults, when None); `compute_init(...).kernels` in the scripts."""
         self.config = cfg
         self.dtype = dtype
+        self.kernels = kernels or choose()
         V, d, L = cfg.padded_vocab_size, cfg.n_embd, cfg.n_layer
         self.wte = Embedding(V, d, init=nnx.initializers.normal(0.8), rngs=rngs)
         self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(L)])
@@ -152,18 +158,18 @@ class GPT(nnx.Module):
         nsm = self.smear_gate.kernel.shape[0]
         prev = x[:, :-1] if prev_embedding is None else jnp.concatenate([prev_embedding.astype(x.dtype), x[:, :-1]], 1)
         cur = x[:, 1:] if prev_embedding is None else x
-        gate = self.smear_lambda[...].astype(x.dtype) * jax.nn.sigmoid(self.smear_gate(cur[..., :nsm]))
+        gate = self.smear_lambda[...].astype(x.dtype) * jax.nn.sigmoid(self.smear_gate(cur[..., :nsm], self.kernels))
         mixed = cur + gate * prev
         return mixed if prev_embedding is not None else jnp.concatenate([x[:, :1], mixed], axis=1)
 
     def head(self, x: jax.Array, softcap: bool = True) -> jax.Array:
         """Final norm, LM head, crop the vocab padding, soft-cap the logits (fp32; the raw logits
-        with softcap=False, for the loss's fused soft-cap, `ops.softcap_cross_entropy`)."""
+        with softcap=False, for the loss's fused soft-cap, the kernels record's cross_entropy)."""
         x = ops.rms_norm(x)
         if self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(x.dtype))
         else:
-            logits = self.lm_head(x)
+            logits = self.lm_head(x, self.kernels)
         logits = logits[..., :self.config.vocab_size].astype(jnp.float32)
         if not softcap:
             return logits
@@ -177,7 +183,7 @@ class GPT(nnx.Module):
         the rotary embedding; `attend(layer, q, k, v, window) -> y` replaces the training attention
         (q (B,T,H,D), k/v (B,T,Hkv,D), y (B,T,H,D)); `prev_embedding` is the normed embedding of the
         token just before idx[:, 0], for smear when decoding one token at a time. `softcap=False`
-        returns the logits before the soft-cap, for the training loss (`ops.softcap_cross_entropy`).
+        returns the logits before the soft-cap, for the training loss (the record's cross_entropy).
         """
         cfg = self.config
         B, T = idx.shape
@@ -188,65 +194,22 @@ class GPT(nnx.Module):
         backout_layer = cfg.n_layer // 2
         x_backout = None
         windows = cfg.window_sizes()
-        kernel = ops.resolve_attention(cfg.attention, cfg.attn_block)  # the one per-backend choice
+        kernels = self.kernels
         for i, block in enumerate(self.blocks):
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
             if attend is not None:
                 layer_attend = lambda q, k, v, w, i=i: attend(i, q, k, v, w)
-                x = block(x, idx, rope, windows[i], kernel, layer_attend)
+                x = block(x, idx, rope, windows[i], kernels, layer_attend)
+            elif kernels.remat is not None:
+                x = kernels.remat(block, x, idx, rope, windows[i], kernels)
             else:
-                call = _remat_block if cfg.grad_checkpoint else _call_block
-                x = call(block, x, idx, rope, windows[i], kernel)
+                x = block(x, idx, rope, windows[i], kernels)
             x = constrain(x, ("batch", None, None))
             if i == backout_layer:
                 x_backout = x
         if x_backout is not None:
             x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
         return self.head(x, softcap)
-
-
-def _call_block(block, x, idx, rope, window, kernel):
-    return block(x, idx, rope, window, kernel)
-
-
-_nnx_remat_block = nnx.remat(_call_block, static_argnums=(4, 5))
-
-
-def _remat_block(block, x, idx, rope, window, kernel):
-    """A block whose activations are recomputed in the backward pass (--grad-checkpoint).
-
-    On TPU/GPU this is `nnx.remat`. On CPU it is not enough: XLA:CPU strips the optimization
-    barriers remat relies on, so its scheduler ran each block's recomputation during the forward
-    and the peak did not drop (it rose). Here the recomputation takes a (numerically void) input
-    from the block's output cotangent, so it cannot run before the backward pass reaches the block.
-    """
-    if not ops._on_cpu():
-        return _nnx_remat_block(block, x, idx, rope, window, kernel)
-    graphdef, state = nnx.split(block)
-    return _cpu_remat(graphdef, window, kernel, state, x, idx, rope)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _cpu_remat(graphdef, window, kernel, state, x, idx, rope):
-    return nnx.merge(graphdef, state)(x, idx, rope, window, kernel)
-
-
-def _cpu_remat_fwd(graphdef, window, kernel, state, x, idx, rope):
-    return _cpu_remat(graphdef, window, kernel, state, x, idx, rope), (state, x, idx, rope)
-
-
-def _cpu_remat_bwd(graphdef, window, kernel, res, ct):
-    state, x, idx, rope = res
-    # x + 0·ct[0]: XLA keeps a float multiply by zero (it is not an identity for inf/NaN), so this
-    # is a true data dependency on the cotangent, the one ordering XLA:CPU's scheduler respects.
-    x = x + (ct.reshape(-1)[0] * 0).astype(x.dtype)
-    f = lambda state, x: nnx.merge(graphdef, state)(x, idx, rope, window, kernel)
-    _, vjp = jax.vjp(f, state, x)
-    d_state, dx = vjp(ct)
-    return d_state, dx, None, None
-
-
-_cpu_remat.defvjp(_cpu_remat_fwd, _cpu_remat_bwd)
 
 
 def param_count(model: GPT) -> int:

@@ -64,7 +64,7 @@ def _checked_meta(ckpt, paths: RunPaths):
     meta = ckpt.read_meta(paths.step)
     if "model_config" not in meta:
         raise UserError(f"the checkpoint in {paths.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
-    return meta, dataclasses.replace(GPTConfig.from_dict(meta["model_config"]), grad_checkpoint=False)
+    return meta, GPTConfig.from_dict(meta["model_config"])
 
 
 def _matching_tokenizer(paths: RunPaths, meta: dict, cfg):

@@ -1,10 +1,12 @@
 """The one train step and eval step every stage shares (pretraining, SFT, RL).
 
 `train_step` takes a stack of micro-batches (A, B, T) and accumulates gradients over A inside one
-jit with `lax.scan`: small micro-batches keep activations in cache (on this CPU, 2-4 rows of 512
-tokens ran at ~55% MFU where one batch of 32 rows ran at ~31%, measured on a 2-core AVX-512 CPU), and the optimizer runs
-once per step. Targets < 0 are ignored (SFT's loss mask). The loss is the mean over counted tokens
-of the whole step, so gradient accumulation gives the same update as one big batch.
+jit with `lax.scan`, and the optimizer runs once per step: the batch a step needs never has to fit
+in memory at once (and on a CPU small micro-batches keep activations in cache: 2-4 rows of 512
+tokens ran at ~55% MFU where one batch of 32 rows ran at ~31% on a 2-core AVX-512 CPU). Targets < 0
+are ignored (SFT's loss mask). The loss is the mean over counted tokens of the whole step, so
+gradient accumulation gives the same update as one big batch. How the scan runs (micro-batches side
+by side, a lone one in halves, one flat all-reduce) is the model's kernels record's choice.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-from flaxchat import ops
-from flaxchat.common import read_cpuinfo
 from flaxchat.gpt import GPT
 from flaxchat.sharding import BATCH, data_parallel_mesh
 
@@ -27,7 +27,7 @@ from flaxchat.sharding import BATCH, data_parallel_mesh
 def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token cross-entropy in nats (fp32); 0 where target < 0."""
     raw = model(inputs, softcap=False)
-    losses = ops.softcap_cross_entropy(raw, jnp.maximum(targets, 0), model.config.logit_softcap)
+    losses = model.kernels.cross_entropy(raw, jnp.maximum(targets, 0), model.config.logit_softcap)
     return jnp.where(targets >= 0, losses, 0.0)
 
 
@@ -39,44 +39,18 @@ def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     return jnp.sum(losses), jnp.sum(targets >= 0)
 
 
-def side_by_side(backend: str | None = None) -> int:
-    """How many micro-batches `lax.scan` runs at once (its unroll): 2 on CPUs, else 1.
-
-    Two micro-batches in one loop body are two independent forward+backward chains, and XLA:CPU
-    runs independent kernels side by side: where one chain's small memory-bound kernels leave a
-    core idle, the other's work fills it. On a 2-core Intel Xeon (AMX), config A's step at 16K
-    tokens (16 micro-batches of 4 rows) took 1,995-2,047 ms against 2,127-2,199 one at a time (four
-    interleaved rounds); config B at 16K moved within the noise. On a 2-core AMD EPYC (Zen 4),
-    paired in one process: config A at 16K 2,955 -> 2,798 ms (median of 10 rounds' differences
-    -4.4%), config B at 16K (16 x 2 rows) 16,510 -> 15,862 ms (-3.6%, faster in all 5 rounds).
-    On TPU and GPU memory is what binds, and two micro-batches' activations at once would double
-    it. docs/cpu_performance.md has the runs."""
-    return 2 if (backend or jax.default_backend()) == "cpu" else 1
-
-
-def halves_a_lone_micro_batch(backend: str | None = None, cpuinfo: str | None = None) -> bool:
-    """Whether a step of one micro-batch runs it as two halves side by side: on AMD CPUs.
-
-    The halves' sums are the whole's, added in another order. On a 2-core AMD EPYC (Zen 4), paired
-    in one process (30 rounds): the main job's step (8 x 256 tokens) 384.5 -> 378.8 ms, a median
-    difference of -6.8 ms, faster in 86% of rounds (-6.9 ms and 90% in a second run); config B's
-    4 x 512 2,829 -> 2,774 ms (-31 ms, all 10 rounds). On a 2-core Intel Xeon (AMX) the split
-    gained nothing (320 / 321 / 323 / 312 against 316 / 315 / 312 / 318 ms), so Intel keeps a lone
-    micro-batch whole. `cpuinfo`: /proc/cpuinfo's text, for tests."""
-    return side_by_side(backend) > 1 and read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD"
-
-
-def _halved(batches: tuple) -> tuple:
-    """(1, B, ...) micro-batch arrays as (2, B/2, ...) where `halves_a_lone_micro_batch` says so."""
+def _halved(batches: tuple, kernels) -> tuple:
+    """(1, B, ...) micro-batch arrays as (2, B/2, ...) where the kernels record halves a lone one."""
     count, rows = batches[0].shape[:2]
-    if count != 1 or rows % 2 or not halves_a_lone_micro_batch():
+    if count != 1 or rows % 2 or not kernels.halve_lone_micro_batch:
         return batches
     return tuple(b.reshape(2, rows // 2, *b.shape[2:]) for b in batches)
 
 
-def _gradient_sums(graphdef, params, rest, batches):
-    """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan),
-    `side_by_side()` micro-batches at a time (a lone one in halves, `halves_a_lone_micro_batch`)."""
+def _gradient_sums(graphdef, kernels, params, rest, batches):
+    """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan), as
+    many micro-batches at a time as the kernels record's scan_unroll (a lone one in halves where
+    it says so)."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def accumulate(carry, batch):
@@ -86,20 +60,18 @@ def _gradient_sums(graphdef, params, rest, batches):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-    return jax.lax.scan(accumulate, init, _halved(batches), unroll=side_by_side())[0]
+    return jax.lax.scan(accumulate, init, _halved(batches, kernels), unroll=kernels.scan_unroll)[0]
 
 
-def _device_sums_then_one_reduce(graphdef, mesh):
+def _device_sums_then_one_reduce(graphdef, kernels, mesh):
     """`_gradient_sums` per device on its own rows, then one all-reduce after the scan. Left to the
     partitioner, the sums of replicated parameters' gradients are reduced inside the scan, once per
-    micro-batch. On CPU the gradients go as one flat buffer: between two processes joined over gloo
-    on a 2-core Intel Xeon, config A's 35 gradients (29.4 MB) took 137-142 ms to all-reduce as
-    arrays and 39-40 ms flat (`python -m bench.data_parallel`). Elsewhere XLA's all-reduce combiner
-    merges the arrays itself, and a flat copy would hold every gradient twice."""
-    flat_buffer = jax.default_backend() == "cpu"
+    micro-batch. The gradients go as one flat buffer where the kernels record says so (CPUs, where
+    gloo all-reduced 35 arrays 3.5x slower than one buffer of their bytes)."""
+    flat_buffer = kernels.flat_gradient_reduce
 
     def local(params, rest, batches):
-        grads, loss_sum, count = _gradient_sums(graphdef, params, rest, batches)
+        grads, loss_sum, count = _gradient_sums(graphdef, kernels, params, rest, batches)
         if not flat_buffer:
             return jax.lax.psum((grads, loss_sum, count), BATCH)
         flat, unflatten = ravel_pytree(grads)
@@ -115,7 +87,10 @@ def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, norm
     devices each device sums its own rows and one all-reduce follows the scan."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     mesh = data_parallel_mesh()
-    sums = _device_sums_then_one_reduce(graphdef, mesh) if mesh is not None else partial(_gradient_sums, graphdef)
+    if mesh is not None:
+        sums = _device_sums_then_one_reduce(graphdef, model.kernels, mesh)
+    else:
+        sums = partial(_gradient_sums, graphdef, model.kernels)
     grads, loss_sum, count = sums(params, rest, batches)
     denom = jnp.maximum(count, 1).astype(jnp.float32) if normalise else jnp.ones([], jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
@@ -140,7 +115,7 @@ class StepLoop:
 
     nnx.jit, even through `nnx.cached_partial`, walks the model and optimizer and writes every
     Variable back in Python on each call: 4.4-4.8 ms a step at depth 4 (119 arrays) on a 2-core AMD
-    EPYC (Zen 4), and the training entry points' synchronous dispatch (`errors.tune_cpu_runtime`)
+    EPYC (Zen 4), and the CPU training processes' synchronous dispatch (`kernels.cpu.tune_runtime`)
     puts that between two steps. As a list of arrays the call returns in ~1 ms: config A's step at
     2,048 tokens 4.0 ms faster (the median of 30 interleaved rounds' paired differences, faster in
     70% of them). Between calls `model` and `optimizer` hold the arrays the last call donated;

@@ -43,13 +43,14 @@ def default_output(checkpoint: str, quantize: bool) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from flaxchat.export import build_model, read_any
+    from flaxchat.kernels import portable
     from flaxchat.export.tflite import require_converter, require_interpreter, save_tflite
 
     require_converter()  # say so before any slow work
     if args.verify:
         require_interpreter()
     cfg, params, _ = read_any(args.checkpoint)
-    model = build_model(cfg, params)
+    model = build_model(cfg, params, kernels=portable())  # plain XLA ops, which LiteRT converts
     output = args.output or default_output(args.checkpoint, args.quantize)
     path, info = save_tflite(model, output, seq_len=args.seq_len, prefill_len=args.prefill_len, quantize=args.quantize)
     print(f"wrote {path} ({info['bytes'] / 1e6:.2f} MB; float {info['float_bytes'] / 1e6:.2f} MB): "

@@ -17,7 +17,8 @@ import sys
 import time
 
 from flaxchat.config import TrainConfig, parse_config
-from flaxchat.errors import UserError, cli_main, tune_cpu_runtime
+from flaxchat.errors import UserError, cli_main
+from flaxchat.kernels import tune_process
 
 HELP = {
     "run_dir": "folder for checkpoints, report, plot and samples",
@@ -109,7 +110,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.data.prefetch import Prefetcher
     from flaxchat.data.sources import resolve_source
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, orthogonalisation_dtype, scaling
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
@@ -124,7 +125,7 @@ def _run(tc: TrainConfig) -> dict:
     paths.check_writable(tc.run_dir)
 
     # --- compute ------------------------------------------------------------------------------
-    compute = compute_init(tc.dtype)
+    compute = compute_init(tc.dtype, attention=tc.attention, grad_checkpoint=tc.grad_checkpoint)
     print0(f"compute: {compute.backend}, {compute.device_count} device(s) in {compute.process_count} process(es), "
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 
@@ -153,16 +154,14 @@ def _run(tc: TrainConfig) -> dict:
 
     # --- model ---------------------------------------------------------------------------------
     model_cfg = config_for_depth(tc.depth, vocab_size=tokenizer.vocab_size, sequence_len=tc.sequence_len,
-                                 window_pattern=tc.window_pattern, grad_checkpoint=tc.grad_checkpoint,
-                                 attention=tc.attention)
+                                 window_pattern=tc.window_pattern)
     if meta is not None:
         saved = GPTConfig.from_dict(meta["model_config"])
-        how = dict(grad_checkpoint=False, attention="auto")  # how the step runs, not which model
-        if dataclasses.replace(saved, **how) != dataclasses.replace(model_cfg, **how):
+        if saved != model_cfg:
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
     def make_model():
-        model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype)
+        model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype, kernels=compute.kernels)
         if tc.init_from and meta is None:
             from flaxchat.export import load_params_into
             at = load_params_into(model, tc.init_from)
@@ -170,7 +169,8 @@ def _run(tc: TrainConfig) -> dict:
         return model
 
     # Sizes come from the abstract model (shapes only): the real one is created once, on the mesh.
-    abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype))
+    abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype,
+                                          kernels=compute.kernels))
     n_params, n_matmul, n_scaling = param_count(abstract), matmul_param_count(abstract), scaling_param_count(abstract)
     # nanochat's reference: d12 with this vocabulary and context, where the LRs were tuned.
     ref_cfg = config_for_depth(12, vocab_size=model_cfg.vocab_size, sequence_len=tc.sequence_len)
@@ -205,7 +205,7 @@ def _run(tc: TrainConfig) -> dict:
     # --- optimizer ------------------------------------------------------------------------------
     schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
     scale_lrs = tc.lr_batch_scaling == "on" or (tc.lr_batch_scaling == "auto" and tc.total_batch_size <= 0)
-    ns_dtype = orthogonalisation_dtype(compute.backend) if tc.ns_dtype == "auto" else tc.ns_dtype
+    ns_dtype = compute.kernels.ns_dtype if tc.ns_dtype == "auto" else tc.ns_dtype
     opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
@@ -219,7 +219,7 @@ def _run(tc: TrainConfig) -> dict:
     # Always place the state, even on one device: arrays left uncommitted would come back from the
     # first step committed to the mesh, and the changed input types would compile the step twice.
     model, optimizer = sharding.create_sharded(
-        make_model, lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule), wrt=nnx.Param), compute.mesh)
+        make_model, lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule, compute.kernels), wrt=nnx.Param), compute.mesh)
     per_device = sharding.bytes_per_device(nnx.state(model, nnx.Param))
     print0(f"sharding: {layout} over {compute.device_count} device(s); parameters per device "
            f"{max(per_device.values()) / 2**20:.1f} MiB of {4 * n_params / 2**20:.1f} MiB")
@@ -375,5 +375,5 @@ def _until_bos(tokens, bos):
 
 
 if __name__ == "__main__":
-    tune_cpu_runtime()
+    tune_process()
     sys.exit(cli_main(main))

@@ -24,7 +24,8 @@ import sys
 import time
 
 from flaxchat.config import parse_config
-from flaxchat.errors import UserError, cli_main, tune_cpu_runtime
+from flaxchat.errors import UserError, cli_main
+from flaxchat.kernels import tune_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,5 +288,5 @@ def open_task(spec: str, split: str):
 
 
 if __name__ == "__main__":
-    tune_cpu_runtime()
+    tune_process()
     sys.exit(cli_main(main))

@@ -17,7 +17,8 @@ import argparse
 import os
 import sys
 
-from flaxchat.errors import cli_main, tune_cpu_runtime
+from flaxchat.errors import cli_main
+from flaxchat.kernels import tune_process
 
 
 def parse_args(argv):
@@ -89,5 +90,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    tune_cpu_runtime()
+    tune_process()
     sys.exit(cli_main(main))

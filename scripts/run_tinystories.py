@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import sys
 
-from flaxchat.errors import cli_main, tune_cpu_runtime
+from flaxchat.errors import cli_main
+from flaxchat.kernels import tune_process
 from scripts import pretrain
 
 DEFAULTS = dict(
@@ -62,5 +63,5 @@ model.mlir, tokenizer/); --no-export skips that.
 
 
 if __name__ == "__main__":
-    tune_cpu_runtime()
+    tune_process()
     sys.exit(cli_main(main))

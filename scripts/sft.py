@@ -23,7 +23,8 @@ import sys
 import time
 
 from flaxchat.config import parse_config
-from flaxchat.errors import UserError, cli_main, tune_cpu_runtime
+from flaxchat.errors import UserError, cli_main
+from flaxchat.kernels import tune_process
 
 CHECK_PROMPTS = ["Who are you?", "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"]
 
@@ -266,5 +267,5 @@ def check_replies(model, tokenizer, prompts: list[str], max_tokens: int = 64) ->
 
 
 if __name__ == "__main__":
-    tune_cpu_runtime()
+    tune_process()
     sys.exit(cli_main(main))

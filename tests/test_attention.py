@@ -3,17 +3,16 @@ under a random cotangent: fp32 and bf16, causal and sliding-window, grouped-quer
 blockwise kernel's training memory is O(T): the compiled train step at T=2048 needs what T=1024
 needs for the same tokens, and --grad-checkpoint lowers the peak."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat import ops
-from flaxchat.config import GPTConfig
+from flaxchat import kernels, ops
+from flaxchat.config import GPTConfig, TrainConfig
 from flaxchat.errors import UserError
+from flaxchat.kernels import cpu_attention, gpu, tpu
 
 
 def _inputs(B, T, H, Hkv, D, dtype, seed=0):
@@ -55,41 +54,42 @@ def _refuse(name):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [40, 20, 7], ids=["causal", "window20", "window7"])
 def test_blockwise_loops_equal_reference(dtype, window, monkeypatch):
-    """The loops (what sequences longer than ops.SHORT_TOKENS run), here at T=40 in blocks of 16 (a
+    """The loops (what sequences longer than SHORT_TOKENS run), here at T=40 in blocks of 16 (a
     short last block); windows that end inside a block; 4 heads on 2."""
-    monkeypatch.setattr(ops, "SHORT_TOKENS", 16)
-    monkeypatch.setattr(ops, "_short_attention", _refuse("the unrolled kernel"))
-    _check(lambda q, k, v, w: ops.causal_attention(q, k, v, w, block=16), 2, 40, 4, 2, 16, window, dtype)
+    monkeypatch.setattr(cpu_attention, "SHORT_TOKENS", 16)
+    monkeypatch.setattr(cpu_attention, "_short_attention", _refuse("the unrolled kernel"))
+    _check(lambda q, k, v, w: cpu_attention.causal_attention(q, k, v, w, block=16), 2, 40, 4, 2, 16, window, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T, window", [(40, 40), (40, 20), (40, 7), (32, 12), (20, 20), (16, 5)],
                          ids=["causal", "window20", "window7", "window12", "padded", "one-tile-window5"])
 def test_short_sequences_take_the_unrolled_kernel_and_equal_reference(dtype, T, window, monkeypatch):
-    """Up to ops.SHORT_TOKENS tokens the kernel is unrolled with its probabilities kept; the loops
+    """Up to SHORT_TOKENS tokens the kernel is unrolled with its probabilities kept; the loops
     must not run there (they raise if called), and the numbers are the reference's."""
-    assert T <= ops.SHORT_TOKENS
-    monkeypatch.setattr(ops, "_attention", _refuse("the loops"))
-    _check(lambda q, k, v, w: ops.causal_attention(q, k, v, w, block=16), 2, T, 4, 2, 16, window, dtype)
+    assert T <= cpu_attention.SHORT_TOKENS
+    monkeypatch.setattr(cpu_attention, "_attention", _refuse("the loops"))
+    _check(lambda q, k, v, w: cpu_attention.causal_attention(q, k, v, w, block=16), 2, T, 4, 2, 16, window, dtype)
 
 
 def test_short_sequences_tile_by_at_most_short_tile(monkeypatch):
     """The model's 128-key blocks become 64-query tiles on a short sequence (what measured faster),
     a smaller block stays as it is, and a sequence over SHORT_TOKENS runs the loops in its blocks."""
     seen = []
-    short = ops._short_attention
-    monkeypatch.setattr(ops, "_short_attention", lambda q, k, v, w, b: seen.append(("short", b)) or short(q, k, v, w, b))
-    loops = ops._attention
-    monkeypatch.setattr(ops, "_attention", lambda q, k, v, w, b: seen.append(("loops", b)) or loops(q, k, v, w, b))
+    short = cpu_attention._short_attention
+    monkeypatch.setattr(cpu_attention, "_short_attention",
+                        lambda q, k, v, w, b: seen.append(("short", b)) or short(q, k, v, w, b))
+    loops = cpu_attention._attention
+    monkeypatch.setattr(cpu_attention, "_attention", lambda q, k, v, w, b: seen.append(("loops", b)) or loops(q, k, v, w, b))
     q = jnp.ones((1, 256, 2, 8))
     # jitted (eagerly every op compiles on its own); a new function each call, so it is traced, and
     # dispatches, under the patches of the moment
-    attend = lambda block: jax.jit(lambda q: ops.causal_attention(q, q, q, 128, block=block))(q)
+    attend = lambda block: jax.jit(lambda q: cpu_attention.causal_attention(q, q, q, 128, block=block))(q)
     attend(128)
     attend(32)
-    monkeypatch.setattr(ops, "SHORT_TOKENS", 128)
+    monkeypatch.setattr(cpu_attention, "SHORT_TOKENS", 128)
     attend(128)
-    assert seen == [("short", ops.SHORT_TILE), ("short", 32), ("loops", 128)]
+    assert seen == [("short", cpu_attention.SHORT_TILE), ("short", 32), ("loops", 128)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -103,41 +103,64 @@ def test_xla_equals_reference(dtype, window):
 def test_splash_interpret_equals_reference(dtype, window):
     """The TPU kernel itself (jax.experimental.pallas.ops.tpu.splash_attention) in Pallas interpret
     mode: T=256 (its blocks are multiples of 128), 4 query heads on 2 kv heads. ~10 s each here."""
-    _check(lambda q, k, v, w: ops.splash_attention(q, k, v, w, block=128, interpret=True), 1, 256, 4, 2, 32, window, dtype)
+    _check(lambda q, k, v, w: tpu.splash_attention(q, k, v, w, block=128, interpret=True), 1, 256, 4, 2, 32, window, dtype)
 
 
 def test_cudnn_falls_back_to_xla_off_gpu(capsys):
     """No GPU here: cuDNN refuses at trace time and the XLA form runs, said once."""
-    _check(ops.cudnn_attention, 1, 24, 2, 1, 16, 10, jnp.bfloat16)
+    _check(gpu.cudnn_attention, 1, 24, 2, 1, 16, 10, jnp.bfloat16)
     assert "attention: cudnn unavailable here" in capsys.readouterr().out
 
 
-def test_resolve_attention_picks_by_backend(capsys):
-    ops._announced.clear()
-    assert ops.resolve_attention("auto", backend="tpu").name == "splash"
-    assert ops.resolve_attention("auto", backend="gpu").name == "cudnn"
-    assert ops.resolve_attention("auto", 64, backend="cpu") == ops.Kernel("blockwise", 64)
-    assert ops.resolve_attention("xla", backend="tpu").name == "xla"
-    out = capsys.readouterr().out
-    assert "attention: splash (auto on tpu)" in out and "attention: blockwise (auto on cpu)" in out
-    ops.resolve_attention("auto", backend="cpu")
-    assert capsys.readouterr().out == ""  # once per process
-    with pytest.raises(UserError, match="--attention must be one of auto, blockwise, xla, splash, cudnn"):
-        GPTConfig(attention="flash")
+def test_the_kernels_record_picks_by_backend(capsys):
+    """One choice per backend, made in one place: auto is splash on TPU, cuDNN on GPU (cuda and
+    rocm too), blockwise on CPU; a named kernel runs on any backend; the record is cached (one jit
+    per record) and says what it is; compute_init makes it once and prints it."""
+    assert kernels.choose("tpu").attention_name == "splash"
+    assert kernels.choose("gpu").attention_name == kernels.choose("cuda").attention_name == "cudnn"
+    assert kernels.choose("cpu").attention_name == "blockwise"
+    assert kernels.choose("tpu", "xla").attention_name == "xla"
+    assert kernels.choose("cpu") is kernels.choose("cpu")
+    assert kernels.choose("cpu", grad_checkpoint=True).remat is not None and kernels.choose("cpu").remat is None
+    assert kernels.choose("tpu").ns_dtype == "bfloat16" and kernels.choose("tpu").scan_unroll == 1
+    assert kernels.attention_names() == ("auto", "blockwise", "cudnn", "splash", "xla")
+    with pytest.raises(UserError, match="--attention must be one of auto, blockwise, cudnn, splash, xla"):
+        kernels.choose("cpu", "flash")
+    with pytest.raises(UserError, match="--attention must be one of"):
+        TrainConfig(attention="flash").validate()
     from flaxchat.common import compute_init
-    compute_init("auto")  # --dtype auto says what it chose too
-    assert capsys.readouterr().out == "dtype: float32 (auto on cpu)\n"
+    compute = compute_init("auto", attention="xla", grad_checkpoint=True)
+    assert compute.kernels is kernels.choose("cpu", "xla", True)
+    assert capsys.readouterr().out == "compute: float32 on cpu (auto); kernels: cpu, attention xla, remat (--grad-checkpoint)\n"
+
+
+def test_the_attention_registry_takes_a_backend_files_kernel(monkeypatch):
+    """Adding a kernel is one entry in a backend file's ATTENTION: --attention then knows it, and the
+    model runs it."""
+    from flaxchat.gpt import GPT
+    calls = []
+
+    def mine(q, k, v, window, block):
+        calls.append(q.shape)
+        return ops.xla_attention(q, k, v, window)
+
+    monkeypatch.setitem(tpu.ATTENTION, "mine", mine)
+    assert "mine" in kernels.attention_names()
+    cfg = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    model = GPT(cfg, rngs=nnx.Rngs(0), kernels=kernels.choose("cpu", "mine"))
+    model(jnp.zeros((1, 16), jnp.int32))
+    assert calls == [(1, 16, 2, 16)]
 
 
 def test_model_kernels_agree():
-    """The field switches the kernel inside the model: same logits and gradients, blockwise vs xla."""
+    """The record switches the kernel inside the model: same logits and gradients, blockwise vs xla."""
     from flaxchat.gpt import GPT
     cfg = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                     window_pattern="SL", attn_block=8)
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 32)), jnp.int32)
     out = {}
     for name in ("blockwise", "xla"):
-        model = GPT(dataclasses.replace(cfg, attention=name), rngs=nnx.Rngs(0))
+        model = GPT(cfg, rngs=nnx.Rngs(0), kernels=kernels.choose(attention=name))
         # jitted: eagerly every op compiles as its own program (45 s on a cold compilation cache)
         out[name] = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(idx) ** 2)))(model)
     np.testing.assert_allclose(out["blockwise"][0], out["xla"][0], rtol=1e-5)
@@ -156,11 +179,12 @@ def _train_step_memory(T, rows, grad_checkpoint=False, n_layer=2):
     from flaxchat.train import train_step
 
     cfg = GPTConfig(sequence_len=T, vocab_size=256, n_layer=n_layer, n_head=2, n_kv_head=2, n_embd=64,
-                    window_pattern="L", attention="blockwise", grad_checkpoint=grad_checkpoint)
+                    window_pattern="L")
     tx = build_optimizer(OptimConfig(optimizer="adamw", n_embd=64), Schedule(10))
+    record = kernels.choose("cpu", "blockwise", grad_checkpoint)
 
     def make():
-        model = GPT(cfg, rngs=nnx.Rngs(0))
+        model = GPT(cfg, rngs=nnx.Rngs(0), kernels=record)
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     graphdef, state = nnx.split(nnx.eval_shape(make))
@@ -192,7 +216,7 @@ def test_blockwise_training_memory_is_linear_in_T():
 def test_grad_checkpoint_lowers_peak():
     """Rematerialising each block must trade compute for memory (it made the peak larger while the
     attention backward kept its own saved probabilities, and XLA:CPU ran remat's recomputation
-    in the forward: 144.5 vs 144.1 MiB before; see gpt._remat_block)."""
+    in the forward: 144.5 vs 144.1 MiB before; see kernels.cpu.remat_block)."""
     plain = _train_step_memory(1024, 2, n_layer=4)
     remat = _train_step_memory(1024, 2, grad_checkpoint=True, n_layer=4)
     assert remat < 0.8 * plain, f"temporaries {remat / 2**20:.1f} MiB with checkpointing vs {plain / 2**20:.1f} MiB without"
@@ -202,13 +226,14 @@ _SPLASH_ON_A_MESH = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from flaxchat import ops, sharding
+from flaxchat.kernels import tpu
 mesh = sharding.make_mesh(jax.devices(), "fsdp")
 rng = np.random.default_rng(0)  # numpy, and the reference jitted: jax.random and eager ops compile op by op
 q, k, v = (rng.standard_normal(s, np.float32) for s in [(2, 128, 4, 32), (2, 128, 2, 32), (2, 128, 2, 32)])
 rows = NamedSharding(mesh, P(sharding.BATCH))
 q, k, v = (jax.device_put(x, rows) for x in (q, k, v))
 with jax.set_mesh(mesh):
-    got = jax.jit(lambda q, k, v: ops.splash_attention(q, k, v, 64, interpret=True))(q, k, v)
+    got = jax.jit(lambda q, k, v: tpu.splash_attention(q, k, v, 64, interpret=True))(q, k, v)
 want = jax.jit(ops.reference_attention, static_argnums=3)(*(np.asarray(x) for x in (q, k, v)), 64)
 print("ERR", float(np.max(np.abs(np.asarray(got) - np.asarray(want)))), got.sharding.spec)
 """

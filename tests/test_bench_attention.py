@@ -1,4 +1,4 @@
-"""bench.attention: each variant traces the kernel it names, the rows print, ops is left as it was."""
+"""bench.attention: each variant traces the kernel it names, the rows print, the kernel is left as it was."""
 
 import re
 
@@ -6,18 +6,18 @@ import jax
 import jax.numpy as jnp
 
 from bench import attention
-from flaxchat import ops
+from flaxchat.kernels import cpu_attention
 
 
-def test_variants_trace_different_kernels_and_restore_ops():
-    before = (ops.SHORT_TILE, ops.SHORT_TOKENS)
+def test_variants_trace_different_kernels_and_restore_the_kernel():
+    before = (cpu_attention.SHORT_TILE, cpu_attention.SHORT_TOKENS)
     q = jnp.ones((1, 256, 2, 16))
     programs = {}
     for name, (setting, attend) in attention.VARIANTS.items():
         with setting():
             programs[name] = jax.jit(lambda q, attend=attend: attend(q, q, q, 64)).lower(q).as_text()
     assert len(set(programs.values())) == len(programs)  # four different computations
-    assert (ops.SHORT_TILE, ops.SHORT_TOKENS) == before
+    assert (cpu_attention.SHORT_TILE, cpu_attention.SHORT_TOKENS) == before
 
 
 def test_main_prints_a_row_per_variant(capsys):

@@ -8,6 +8,7 @@ engine's process-wide cache of compiled functions; shapes stay within one cache 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -117,6 +118,34 @@ def test_cached_logits_equal_the_full_forward(model, full_forward):
     np.testing.assert_allclose(step_logits, want[10:58], atol=1e-5, rtol=0)
     np.testing.assert_allclose(multi_logits, want[10:58], atol=1e-5, rtol=0)
     assert np.abs(want[10:] - want[10:].mean()).max() > 1e-2  # the model really computes something
+
+
+def test_prefill_runs_the_kernel_of_the_models_record(model):
+    """Prefill takes its attention from the model's kernels record (splash on a TPU), not a kernel
+    of its own: the splash kernel itself (Pallas interpret mode here) fills a cache whose prompt
+    logits equal the blockwise kernel's. The prompt is 128 tokens, splash's tile."""
+    from flaxchat import kernels
+    cfg = GPTConfig(sequence_len=128, vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                    window_pattern="SL", attn_block=32)
+    graphdef, params = nnx.split(nonzero_model(cfg))
+    idx = jnp.asarray(np.random.default_rng(3).integers(0, 512, (1, 128)), jnp.int32)
+    out, seen = {}, []
+    for name in ("splash", "blockwise"):
+        record = kernels.choose("cpu", name)
+        traced = lambda q, k, v, w, b, record=record: seen.append(record.attention_name) or record.attention(q, k, v, w, b)
+        spy = dataclasses.replace(record, attention=traced)
+
+        @jax.jit
+        def prefill(params, idx):
+            m = nnx.merge(graphdef, params)
+            m.kernels = spy
+            return E.prefill(m, idx, 128)
+
+        logits, cache = prefill(params, idx)
+        out[name] = (np.asarray(logits), np.asarray(cache.k[0]))
+    assert seen == ["splash"] * 2 + ["blockwise"] * 2  # once per layer, each record's own kernel
+    np.testing.assert_allclose(out["splash"][0], out["blockwise"][0], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(out["splash"][1], out["blockwise"][1])  # keys come before attention
 
 
 def test_greedy_generation_equals_uncached_greedy(model, engine, full_forward):

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat import ops
+from flaxchat import kernels, ops
 from flaxchat.config import GPTConfig, config_for_depth
 from flaxchat.errors import UserError
 from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
+from flaxchat.kernels import cpu, cpu_attention
 
 TINY = GPTConfig(sequence_len=48, vocab_size=203, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
                  window_pattern="SL", attn_block=16)
@@ -27,9 +28,9 @@ def _normal(seed, *shapes):
     return [rng.standard_normal(shape, np.float32) for shape in shapes]
 
 
-def _nonzero_model(cfg, seed=0):
+def _nonzero_model(cfg, seed=0, kernels=None):
     """Zero-initialised output projections hide bugs (a layer that does nothing): randomise all."""
-    model = GPT(cfg, rngs=nnx.Rngs(seed))
+    model = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
     noise = _normal(seed + 1, *(x.shape for x in leaves))
@@ -78,7 +79,7 @@ def test_blockwise_attention_equals_dense_reference(window, T, block):
     def out_and_grad(f):  # f(q, k, v) and the gradient of its sum in q, as one program
         return jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(lambda q: f(q, k, v).sum())(q)))(q, k, v)
 
-    got, g_got = out_and_grad(lambda q, k, v: ops.causal_attention(q, k, v, window, block))
+    got, g_got = out_and_grad(lambda q, k, v: cpu_attention.causal_attention(q, k, v, window, block))
     want, g_want = out_and_grad(lambda q, k, v: ops.reference_attention(q, k, v, window))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # and the gradients agree too
@@ -95,7 +96,7 @@ def test_sliding_window_limits_what_a_layer_sees():
     seen = {}
 
     def attend(layer, q, k, v, window):  # the model's own kernel; only records layer 0's output
-        y = ops.causal_attention(q, k, v, window=window, block=cfg.attn_block)
+        y = cpu_attention.causal_attention(q, k, v, window=window, block=cfg.attn_block)
         if layer == 0:
             seen["window"], seen["y"] = window, y
         return y
@@ -129,7 +130,7 @@ def test_attention_vjp_dq_dk_dv_equal_autodiff_fp32_and_bf16(window, T, block):
     def vjp(f, dtype):
         return _vjp(f, [a.astype(dtype) for a in (q, k, v)], ct.astype(dtype))[1]
 
-    custom = lambda q, k, v: ops.causal_attention(q, k, v, window=window, block=block)
+    custom = lambda q, k, v: cpu_attention.causal_attention(q, k, v, window=window, block=block)
     plain = lambda q, k, v: ops.reference_attention(q, k, v, window=window)
     exact = [np.asarray(g, np.float64) for g in vjp(plain, jnp.float32)]
     for got, want, name in zip(vjp(custom, jnp.float32), exact, "qkv"):
@@ -149,38 +150,37 @@ def test_matmul_vjp_equals_autodiff_fp32_and_bf16(n_in, n_out):
         return _vjp(f, (x.astype(dtype), w.astype(dtype)), ct.astype(dtype))[1]
 
     exact = vjp(lambda a, b: a @ b, jnp.float32)
-    for got, want in zip(vjp(ops.matmul, jnp.float32), exact):
+    for got, want in zip(vjp(cpu.matmul, jnp.float32), exact):
         assert _rel_err(got, want) < 1e-6
-    for got, ad, want in zip(vjp(ops.matmul, jnp.bfloat16), vjp(lambda a, b: a @ b, jnp.bfloat16), exact):
+    for got, ad, want in zip(vjp(cpu.matmul, jnp.bfloat16), vjp(lambda a, b: a @ b, jnp.bfloat16), exact):
         assert _rel_err(got, want) <= 1.25 * _rel_err(ad, want) + 1e-3
 
 
 @pytest.mark.parametrize("cap", [15.0, 60.0])
-def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient(monkeypatch, cap):
-    """The fused loss (on CPU its own backward from the raw logits) against autodiff of optax's
-    cross-entropy on cap·tanh(z/cap), with logits big enough that the cap bends them. One row has
-    every logit far below zero: with a cap above ops.FIXED_SHIFT_CAP, exp(s - cap) would underflow
-    to 0 there and the loss be -inf, so the row maximum is taken."""
+def test_softcap_cross_entropy_equals_optax_on_capped_logits_value_and_gradient(cap):
+    """The fused loss (the CPU's with its own backward from the raw logits, and the plain one under
+    autodiff, what TPU and GPU run) against autodiff of optax's cross-entropy on cap·tanh(z/cap),
+    with logits big enough that the cap bends them. One row has every logit far below zero: with a
+    cap above ops.FIXED_SHIFT_CAP, exp(s - cap) would underflow to 0 there and the loss be -inf, so
+    the row maximum is taken."""
     import optax
     rng = np.random.default_rng(7)
     z = rng.standard_normal((3, 7, 50), np.float32) * 20
     z[1, 2] = -1000.0 - rng.random(50, np.float32)
     labels = rng.integers(0, 50, (3, 7), np.int32)
     w = rng.random((3, 7), np.float32)  # a weighted sum, so each row's cotangent differs
-    fused = lambda z: jnp.sum(w * ops.softcap_cross_entropy(z, labels, cap))
+    fused = lambda z: jnp.sum(w * cpu.softcap_cross_entropy(z, labels, cap))
     plain = lambda z: jnp.sum(w * optax.softmax_cross_entropy_with_integer_labels(cap * jnp.tanh(z / cap), labels))
 
     def value_and_grad(f):  # f(z) and its gradient as one program, traced under what is patched now
         return jax.jit(jax.value_and_grad(f))(z)
 
-    assert ops._on_cpu()  # the hand-written backward is what runs here
-    want, want_grad = value_and_grad(plain)  # no ops in it: the same with and without the patch
+    want, want_grad = value_and_grad(plain)
     got, got_grad = value_and_grad(fused)
     assert _rel_err(got, want) < 1e-6
     assert _rel_err(got_grad, want_grad) < 1e-5
-    monkeypatch.setattr(ops, "_on_cpu", lambda: False)  # what TPU and GPU run: the forward under autodiff
     assert jax.jit(lambda z: ops.softcap_cross_entropy(z, labels, cap))(z).shape == labels.shape
-    got, got_grad = value_and_grad(fused)
+    got, got_grad = value_and_grad(lambda z: jnp.sum(w * ops.softcap_cross_entropy(z, labels, cap)))
     assert _rel_err(got, want) < 1e-6
     assert _rel_err(got_grad, want_grad) < 1e-5
 
@@ -190,11 +190,10 @@ def test_rotary_rms_norm_with_its_own_backward_equals_autodiff(dtype):
     """q and k's rotary + QK-norm with the CPU's hand-written backward (from the output and one RMS
     per row) against autodiff of rms_norm(rotary(x)) * scale: fp32 to float rounding; bf16 no
     further from the fp32 result than autodiff in bf16 is."""
-    assert ops._on_cpu()  # the hand-written backward is what runs here
     x, g = _normal(3, (2, 24, 3, 16), (2, 24, 3, 16))  # g: a cotangent that differs per element
     x, g = (x * 3).astype(dtype), g.astype(dtype)
     table = ops.rotary_table(np.arange(24), 16, 100.0, dtype)
-    ours = lambda x: ops.rotary_rms_norm(x, table, 1.2)
+    ours = lambda x: cpu.rotary_rms_norm(x, table, 1.2)
     plain = lambda x: ops.rms_norm(ops.rotary(x, table)) * 1.2
     (y, (dx,)), (y_plain, (dx_plain,)) = _vjp(ours, (x,), g), _vjp(plain, (x,), g)
     table32 = ops.rotary_table(np.arange(24), 16, 100.0, jnp.float32)
@@ -209,9 +208,10 @@ def test_rotary_rms_norm_with_its_own_backward_equals_autodiff(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
-    """The model's gradient with its custom attention and matmul VJPs against the same model run on
-    plain ops (dense attention through the `attend` hook, `x @ w`), differentiated by autodiff."""
+def test_whole_model_gradient_equals_the_plain_ops(dtype):
+    """The model's gradient with this backend's kernels (on CPU the custom attention, matmul,
+    rotary and loss VJPs) against the same model run on the portable kernels (plain ops, dense
+    attention through the `attend` hook), differentiated by autodiff."""
     from flaxchat.train import token_losses
     model = _nonzero_model(TINY)
     rng = np.random.default_rng(5)
@@ -224,6 +224,7 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
             m = nnx.merge(graphdef, p)
             m.dtype = dtype
             if plain:
+                m.kernels = kernels.portable()
                 return jnp.mean(_plain_losses(m, x, y))
             return jnp.mean(token_losses(m, x, y))
         return jax.jit(jax.grad(loss))(params)  # traced here: under the patches where they are on
@@ -233,12 +234,10 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype, monkeypatch):
         logits = m(x, attend=lambda i, q, k, v, w: ops.reference_attention(q, k, v, w))
         return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
+    assert model.kernels.backend == "cpu"  # the hand-written backwards are what `custom` runs here
     custom = grads(dtype, False)
-    with monkeypatch.context() as mp:
-        mp.setattr(ops, "matmul", lambda a, b: a @ b)
-        mp.setattr(ops, "rotary_rms_norm", lambda x, table, scale: ops.rms_norm(ops.rotary(x, table)) * scale)
-        plain = grads(dtype, True)
-        exact = grads(jnp.float32, True)
+    plain = grads(dtype, True)
+    exact = grads(jnp.float32, True)
     flat = lambda t: np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(t)])
     if dtype == jnp.float32:
         assert _rel_err(flat(custom), flat(exact)) < 1e-5
@@ -268,7 +267,7 @@ def test_gates_start_as_nanochats():
 
 def test_gqa_matches_repeated_kv_heads():
     q, k, v = _normal(1, (1, 32, 6, 8), (1, 32, 2, 8), (1, 32, 2, 8))
-    attend = jax.jit(lambda q, k, v: ops.causal_attention(q, k, v, window=32, block=16))
+    attend = jax.jit(lambda q, k, v: cpu_attention.causal_attention(q, k, v, window=32, block=16))
     gqa = attend(q, k, v)
     mha = attend(q, np.repeat(k, 3, axis=2), np.repeat(v, 3, axis=2))
     np.testing.assert_allclose(gqa, mha, rtol=1e-5, atol=1e-6)
@@ -279,8 +278,9 @@ def test_forward_is_deterministic_and_remat_is_exact():
     idx = jnp.asarray(np.random.default_rng(1).integers(0, 203, (2, 48)), jnp.int32)
     a, b = forward(model, idx), forward(model, idx)
     np.testing.assert_array_equal(a, b)
-    remat = _nonzero_model(dataclasses.replace(TINY, grad_checkpoint=True))
-    np.testing.assert_allclose(forward(remat, idx), a, rtol=1e-6, atol=1e-6)
+    for backend in ("cpu", "tpu"):  # the CPU's remat, and nnx.remat (what TPU and GPU run)
+        remat = _nonzero_model(TINY, kernels=kernels.choose(backend, "blockwise", grad_checkpoint=True))
+        np.testing.assert_allclose(forward(remat, idx), a, rtol=1e-6, atol=1e-6)
 
 
 def test_tied_embeddings_have_no_head():

@@ -9,10 +9,11 @@ import pytest
 from flax import nnx
 
 from bench import relative_difference
-from bench.ns_accuracy import polar_express_f64  # the float64 reference the dtypes are measured against
+from bench.cpu.ns_accuracy import polar_express_f64  # the float64 reference the dtypes are measured against
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
-from flaxchat.optim import OptimConfig, Schedule, build_optimizer, labels_for, param_label, polar_express
+from flaxchat.kernels.cpu_muon import polar_express  # the CPU's forms; plain float32/bfloat16 the same
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer, labels_for, param_label
 
 CFG = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, attn_block=16)
 
@@ -237,26 +238,44 @@ def test_a_few_steps_lower_the_loss(which):
 
 
 def test_orthogonalisation_dtype_is_chosen_by_what_the_machine_is():
-    from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, cpu_has_bf16_dots, orthogonalisation_dtype
-    assert orthogonalisation_dtype("tpu") == orthogonalisation_dtype("gpu") == "bfloat16"
+    from flaxchat import kernels
+    from flaxchat.kernels.cpu import cpu_has_bf16_dots, orthogonalisation_dtype
+    from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS
+    assert kernels.choose("tpu").ns_dtype == kernels.choose("gpu").ns_dtype == "bfloat16"
+    assert kernels.choose("cpu").ns_dtype == orthogonalisation_dtype()
     zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
     sapphire_rapids = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16 amx_tile\n"
     skylake = "vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512bw avx512_vnni\n"
     assert cpu_has_bf16_dots(zen5) and cpu_has_bf16_dots(sapphire_rapids)
     assert not cpu_has_bf16_dots(skylake) and not cpu_has_bf16_dots("")
     # bf16-operands where it was measured (AMD); Intel keeps bf16-products until measured there
-    assert orthogonalisation_dtype("cpu", cpuinfo=zen5) == BF16_OPERANDS
-    assert orthogonalisation_dtype("cpu", cpuinfo=sapphire_rapids) == BF16_PRODUCTS
-    assert orthogonalisation_dtype("cpu", cpuinfo=skylake) == "float32"
-    assert orthogonalisation_dtype("cpu", cpu_bf16=True, cpuinfo=sapphire_rapids) == BF16_PRODUCTS
-    assert orthogonalisation_dtype("cpu", cpu_bf16=False, cpuinfo=zen5) == "float32"
+    assert orthogonalisation_dtype(cpuinfo=zen5) == BF16_OPERANDS
+    assert orthogonalisation_dtype(cpuinfo=sapphire_rapids) == BF16_PRODUCTS
+    assert orthogonalisation_dtype(cpuinfo=skylake) == "float32"
+    assert orthogonalisation_dtype(cpu_bf16=True, cpuinfo=sapphire_rapids) == BF16_PRODUCTS
+    assert orthogonalisation_dtype(cpu_bf16=False, cpuinfo=zen5) == "float32"
+
+
+def test_the_plain_polar_express_equals_the_cpu_forms_in_fp32_and_refuses_a_cpu_form():
+    """TPU and GPU run optim.polar_express; the CPU's fp32 form (stored transposes) is the same
+    iteration, so the two agree to fp32 rounding on tall, wide and square matrices."""
+    from flaxchat.errors import UserError
+    from flaxchat.kernels.cpu_muon import BF16_PRODUCTS
+    from flaxchat.optim import polar_express as plain
+    for shape in ((96, 64), (64, 96), (64, 64)):
+        g = jax.random.normal(jax.random.key(4), shape)
+        assert relative_difference(plain(g), np.asarray(polar_express(g), np.float64)) < 1e-5
+        assert relative_difference(plain(g, 5, "bfloat16"), np.asarray(polar_express(g, 5, "bfloat16"), np.float64)) < 1e-2
+    with pytest.raises(UserError, match="CPU form"):
+        plain(g, 5, BF16_PRODUCTS)
 
 
 def test_the_bf16_gram_product_is_a_bf16_dot_on_cpu():
     """XLA:CPU upcasts x @ x.T from bf16 back to fp32 before the dot (no faster than fp32); the
     Gram product of bf16-operands must reach the dot with its bf16 operands. A tall x's stays fp32."""
     import re
-    from flaxchat.optim import _gram, cpu_has_bf16_dots
+    from flaxchat.kernels.cpu import cpu_has_bf16_dots
+    from flaxchat.kernels.cpu_muon import _gram
     if jax.default_backend() != "cpu" or not cpu_has_bf16_dots():
         pytest.skip("a CPU with bf16 dot instructions, where bf16-operands is chosen")
     for shape in ((64, 64), (64, 160)):
@@ -274,7 +293,6 @@ def test_the_bf16_gram_product_is_a_bf16_dot_on_cpu():
 def test_ns_steps_zero_leaves_only_the_normalisations():
     import jax
     import jax.numpy as jnp
-    from flaxchat.optim import polar_express
     g = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
     o0, o5 = polar_express(g, 0), polar_express(g, 5)
     s0, s5 = jnp.linalg.svd(o0, compute_uv=False), jnp.linalg.svd(o5, compute_uv=False)
@@ -283,7 +301,7 @@ def test_ns_steps_zero_leaves_only_the_normalisations():
 
 @pytest.mark.parametrize("shape", [(256, 256), (192, 256)])
 def test_bf16_products_sit_between_fp32_and_bf16(shape):
-    from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS
+    from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS
     g = jax.random.normal(jax.random.key(1), shape) * jnp.linspace(0.1, 3.0, shape[1])  # an uneven spectrum
     ref = polar_express_f64(np.asarray(g))
     err = {name: relative_difference(polar_express(g, 5, dt), ref)
@@ -301,7 +319,7 @@ def test_bf16_products_sit_between_fp32_and_bf16(shape):
 
 @pytest.mark.parametrize("shape", [(256, 1024), (1024, 256), (128, 256)])
 def test_rectangular_matrices_take_the_gram_form_and_stay_close_to_float64(shape):
-    from flaxchat.optim import BF16_OPERANDS, BF16_PRODUCTS, GRAM_FORM_ASPECT, _gram_form
+    from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS, GRAM_FORM_ASPECT, _gram_form
     assert max(shape) >= GRAM_FORM_ASPECT * min(shape)
     g = jax.random.normal(jax.random.key(2), shape) * jnp.linspace(0.1, 3.0, shape[1])
     ref = polar_express_f64(np.asarray(g))
@@ -341,7 +359,7 @@ def test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence():
 def test_one_pass_normalisation_equals_the_three_norms(shape):
     """MuonEq and the Frobenius pre-normalisation from one pass of column sums of squares (fp32)
     equal the three-norm form in float64, and leave the matrix at norm 1/1.01 with equal columns."""
-    from flaxchat.optim import _normalised
+    from flaxchat.optim import normalised as _normalised
     rng = np.random.default_rng(5)
     g = rng.normal(size=shape) * np.exp(rng.uniform(np.log(1e-3), np.log(1e2), size=(1, shape[1])))
     x = g * (np.linalg.norm(g) / math.sqrt(shape[1]) / np.maximum(np.linalg.norm(g, axis=0, keepdims=True), 1e-6))

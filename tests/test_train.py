@@ -273,21 +273,26 @@ def test_corrupt_checkpoint_is_reported_and_kept(capsys, tmp_path, tokenizer_dir
 
 
 def test_side_by_side_micro_batches_are_chosen_by_the_backend_and_cpu():
-    from flaxchat.train import halves_a_lone_micro_batch, side_by_side
+    from flaxchat import kernels
+    from flaxchat.kernels.cpu import halves_a_lone_micro_batch
     intel, amd = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16\n", "vendor_id\t: AuthenticAMD\nflags\t\t: avx512f\n"
-    assert side_by_side("cpu") == 2
-    assert side_by_side("tpu") == side_by_side("gpu") == 1  # memory binds there
-    assert halves_a_lone_micro_batch("cpu", amd)
-    assert not halves_a_lone_micro_batch("cpu", intel)  # measured no faster there
-    assert not halves_a_lone_micro_batch("cpu", "")
-    assert not halves_a_lone_micro_batch("gpu", amd) and not halves_a_lone_micro_batch("tpu", amd)
+    assert kernels.choose("cpu").scan_unroll == 2 and kernels.choose("cpu").flat_gradient_reduce
+    for backend in ("tpu", "gpu"):  # memory binds there; XLA's all-reduce combiner merges the arrays
+        record = kernels.choose(backend)
+        assert (record.scan_unroll, record.halve_lone_micro_batch, record.flat_gradient_reduce) == (1, False, False)
+    assert halves_a_lone_micro_batch(amd)
+    assert not halves_a_lone_micro_batch(intel)  # measured no faster there
+    assert not halves_a_lone_micro_batch("")
 
 
 @pytest.mark.parametrize("count,rows,halves", [(1, 4, False), (1, 4, True), (1, 3, True), (4, 2, True), (3, 2, False)])
 def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows, halves):
     """Micro-batches two at a time, and a lone one in halves, give the sums one whole micro-batch at
     a time gives, to float rounding; an odd count, and an odd number of rows (kept whole), work."""
+    import dataclasses
+
     import flaxchat.train as train
+    from flaxchat import kernels
     cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
     graphdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     x = np.random.default_rng(0).integers(0, 300, (count, rows, 32)).astype(np.int32)
@@ -298,9 +303,8 @@ def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows, halve
     monkeypatch.setattr(jax.lax, "scan", lambda f, init, xs, **kw: scanned.append(xs[0].shape) or real_scan(f, init, xs, **kw))
     out = {}
     for side in (1, 2):
-        monkeypatch.setattr(train, "side_by_side", lambda *a, side=side: side)
-        monkeypatch.setattr(train, "halves_a_lone_micro_batch", lambda *a, side=side: side > 1 and halves)
-        out[side] = jax.jit(lambda p, r, b: train._gradient_sums(graphdef, p, r, b))(params, rest, (x, y))
+        record = dataclasses.replace(kernels.choose("cpu"), scan_unroll=side, halve_lone_micro_batch=side > 1 and halves)
+        out[side] = jax.jit(lambda p, r, b: train._gradient_sums(graphdef, record, p, r, b))(params, rest, (x, y))
     split = halves and count == 1 and rows % 2 == 0
     assert scanned == [(count, rows, 32), (2, rows // 2, 32) if split else (count, rows, 32)]
     (g1, l1, n1), (g2, l2, n2) = out[1], out[2]

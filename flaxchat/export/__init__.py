@@ -36,6 +36,7 @@ def export_model(model_or_cfg, out_dir: str, params: dict | None = None, step: i
     an extra platform-index argument that converters such as litert-converter do not expect.
     """
     from flaxchat.export.stablehlo import check_seq_len, save_stablehlo
+    from flaxchat.kernels import portable
 
     if params is None:
         cfg, params = model_or_cfg.config, model_params(model_or_cfg)
@@ -46,7 +47,7 @@ def export_model(model_or_cfg, out_dir: str, params: dict | None = None, step: i
     save_pkl(out["pkl"], cfg, params, step)
     save_npz(out["npz"], cfg, params)
     # The float32 twin of the model: a bf16-compute training model exports as float32.
-    save_stablehlo(build_model(cfg, params), out["stablehlo"], seq_len, tuple(platforms))
+    save_stablehlo(build_model(cfg, params, kernels=portable()), out["stablehlo"], seq_len, tuple(platforms))
     return out
 
 

@@ -118,15 +118,16 @@ def _expected_shapes(cfg: GPTConfig) -> dict[str, tuple[tuple[int, ...], np.dtyp
             if isinstance(v, jax.ShapeDtypeStruct)}
 
 
-def build_model(cfg: GPTConfig, params: dict, dtype=None):
-    """A GPT with exactly these parameters (no random init is materialised)."""
+def build_model(cfg: GPTConfig, params: dict, dtype=None, kernels=None):
+    """A GPT with exactly these parameters (no random init is materialised), running on `kernels`
+    (default: this backend's; an export passes `flaxchat.kernels.portable()`)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from flaxchat.gpt import GPT
 
     dtype = dtype or jnp.float32
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)))
     nnx.replace_by_pure_dict(state, to_jax(params))
     return nnx.merge(graphdef, state)
 

@@ -1,7 +1,7 @@
 """A speed change's figures beside those of the commit it started from, on this machine, interleaved.
 
-    python -m bench.before_after --base 3d5006e          # every section below (~50 min on 2 cores)
-    python -m bench.before_after --base HEAD~2 --only main,losses --pairs 3
+    python -m bench.cpu.before_after --base 3d5006e          # every section below (~50 min on 2 cores)
+    python -m bench.cpu.before_after --base HEAD~2 --only main,losses --pairs 3
 
 The head side is this checkout as it stands (uncommitted edits included); the base side is --base,
 checked out into a temporary git worktree that is removed at the end. Each side runs its own bench/
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-HEAD_ROOT = Path(__file__).resolve().parents[1]
+HEAD_ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("phases", "main", "muon", "losses")
 
 
@@ -122,7 +122,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.before_after", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.cpu.before_after", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the commit (any git revision) to compare against")
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections (default: all)")
@@ -248,7 +248,7 @@ def compare(args, sections, shapes, base: Side, head: Side, sha: str, logs: Path
                                f"{per['median']:.1f}% (95% interval {per['low']:.1f}-{per['high']:.1f}%)")
 
     if "losses" in sections:
-        script = str(HEAD_ROOT / "bench" / "same_losses.py")
+        script = str(HEAD_ROOT / "bench" / "cpu" / "same_losses.py")
         for rows, accum in shapes:
             shape = ["--steps", str(args.loss_steps), "--rows", str(rows), "--accum", str(accum)]
             ref = logs / f"losses-{rows}x{accum}.base.json"

@@ -1,7 +1,7 @@
 """The model's matrix products alone: fp32 against the forms that run them on bf16 hardware.
 
-    python -m bench.products                  # config A's products at 2,048 tokens, 10 rounds
-    python -m bench.products --rounds 30
+    python -m bench.cpu.products                  # config A's products at 2,048 tokens, 10 rounds
+    python -m bench.cpu.products --rounds 30
 
 On a CPU with AMX or AVX-512 BF16 a product from bf16 operands can run several times faster than
 in fp32, but one bf16 pass rounds each operand to 8 bits of mantissa. "bf16x3" keeps about 16:

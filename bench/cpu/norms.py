@@ -1,13 +1,13 @@
 """q and k's rotary + QK-norm alone: forward+backward with the CPU's hand-written backward against
 autodiff, interleaved in one process (and RMSNorm, whose same form did not pay, under autodiff).
 
-    python -m bench.norms                      # the shapes of configs A and B, 300 rounds
-    python -m bench.norms --rounds 100
+    python -m bench.cpu.norms                      # the shapes of configs A and B, 300 rounds
+    python -m bench.cpu.norms --rounds 100
 
 Each variant is the VJP of the op at one cotangent, jitted on its own; the rounds alternate between
 the two variants (a shared host drifts), and each row prints the medians and the median of the
 paired difference:
-  rotary_rms_norm  `ops.rotary_rms_norm` on q (B, T, heads, head_dim), hand-written, against autodiff
+  rotary_rms_norm  `kernels.cpu.rotary_rms_norm` on q (B, T, heads, head_dim), hand-written, against autodiff
                    of rms_norm(rotary(x)) * 1.2, the two ops the model ran before
   rms_norm         on the residual stream (B, T, d), the hand-written form this module keeps
                    (`rms_norm_by_hand`: dx = r·(g - y·mean(g·y)) from the output) against autodiff
@@ -21,6 +21,7 @@ import numpy as np
 
 from bench import interleaved, parse_rounds
 from flaxchat import ops
+from flaxchat.kernels import cpu
 
 # (B, T, heads, head_dim): a micro-batch of config A (the main job) and of config B.
 SHAPES = [(8, 256, 4, 64), (2, 512, 8, 64)]
@@ -33,7 +34,7 @@ def rms_norm_by_hand(x):
 
 def _rms_norm_fwd(x):
     xf = x.astype(jnp.float32)
-    r = ops._rms(xf)
+    r = ops.rms_reciprocal(xf)
     y = (xf * r).astype(x.dtype)  # ops.rms_norm's arithmetic, keeping its r for the backward
     return y, (y, r)
 
@@ -52,7 +53,7 @@ def variants(shape):
     B, T, H, D = shape
     table = ops.rotary_table(np.arange(T), D, 100_000.0, jnp.float32)
     return {
-        "rotary_rms_norm": ((B, T, H, D), lambda x: ops.rotary_rms_norm(x, table, 1.2),
+        "rotary_rms_norm": ((B, T, H, D), lambda x: cpu.rotary_rms_norm(x, table, 1.2),
                             lambda x: ops.rms_norm(ops.rotary(x, table)) * 1.2),
         "rms_norm": ((B, T, H * D), rms_norm_by_hand, ops.rms_norm),
     }
@@ -86,6 +87,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()
+    from flaxchat.kernels import tune_process
+    tune_process()
     main()

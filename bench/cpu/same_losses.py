@@ -1,7 +1,7 @@
 """The losses of the first N train steps, to check that a speed change changed no arithmetic.
 
-    python -m bench.same_losses --out before.json          # on the old code
-    python -m bench.same_losses --compare before.json      # on the new code: the largest difference
+    python -m bench.cpu.same_losses --out before.json          # on the old code
+    python -m bench.cpu.same_losses --compare before.json      # on the new code: the largest difference
 
 The main job's shape (depth 4, 8 rows of 256 tokens per step, Muon + AdamW with the default
 recipe, Polar Express in fp32 unless `--ns-dtype` says otherwise), a fixed seed and fixed token
@@ -19,6 +19,7 @@ scaled by (1 + N·2⁻²³) and accepts a difference up to what that moved (two 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -32,40 +33,43 @@ def losses(steps: int, rows: int, accum: int, seed: int = 0, ns_dtype: str = "fl
     import jax.numpy as jnp
     from flax import nnx
 
-    from flaxchat import ops
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
     from flaxchat.train import train_step
 
     cfg = config_for_depth(4, vocab_size=4096, sequence_len=256)
-    model = GPT(cfg, rngs=nnx.Rngs(seed))
-    if ns_dtype == "auto":  # imported here: a checkout from before it existed runs the other dtypes
-        from flaxchat.optim import orthogonalisation_dtype
-        ns_dtype = orthogonalisation_dtype(jax.default_backend())
-    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000))
+    kernels = {}
+    try:  # a checkout from before flaxchat.kernels (the base side of bench.cpu.before_after) runs --out
+        from flaxchat.kernels import choose
+        record = choose()
+        if ulps:  # the loss's logits nudged by (1 + ulps·2⁻²³)
+            scale, loss = 1.0 + ulps * 2.0 ** -23, record.cross_entropy
+            record = dataclasses.replace(record, cross_entropy=lambda z, labels, cap: loss(z * scale, labels, cap))
+        kernels = dict(kernels=record)
+    except ImportError:
+        record = None
+    model = GPT(cfg, rngs=nnx.Rngs(seed), **kernels)
+    if ns_dtype == "auto":
+        if record is not None:
+            ns_dtype = record.ns_dtype
+        else:
+            from flaxchat.optim import orthogonalisation_dtype
+            ns_dtype = orthogonalisation_dtype(jax.default_backend())
+    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000), **kernels)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     # A Zipf-like token distribution, so the model has something to learn in 20 steps.
     p = 1.0 / np.arange(1, cfg.vocab_size + 1)
-    step = train_step
-    if ulps:  # a fresh jit of the same step, traced with the loss's logits nudged
-        step = nnx.jit(train_step.fun, donate_argnames=("model", "optimizer"))
-        loss, scale = ops.softcap_cross_entropy, 1.0 + ulps * 2.0 ** -23
-        ops.softcap_cross_entropy = lambda z, labels, cap: loss(z * scale, labels, cap)
     out = []
-    try:
-        for _ in range(steps):
-            x = rng.choice(cfg.vocab_size, size=(accum, rows, cfg.sequence_len + 1), p=p / p.sum()).astype(np.int32)
-            out.append(float(step(model, optimizer, jnp.asarray(x[..., :-1]), jnp.asarray(x[..., 1:]))))
-    finally:
-        if ulps:
-            ops.softcap_cross_entropy = loss
+    for _ in range(steps):
+        x = rng.choice(cfg.vocab_size, size=(accum, rows, cfg.sequence_len + 1), p=p / p.sum()).astype(np.int32)
+        out.append(float(train_step(model, optimizer, jnp.asarray(x[..., :-1]), jnp.asarray(x[..., 1:]))))
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.same_losses", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu.same_losses", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8, help="rows of 256 tokens per micro-batch (default 8)")

@@ -1,15 +1,15 @@
 """How far each Polar Express dtype lands from float64, on the matrices Muon really orthogonalises.
 
-    python -m bench.ns_accuracy                       # the main job's model, steps 5, 20 and 60
-    python -m bench.ns_accuracy --at 1,2 --depth 2    # smaller and sooner
+    python -m bench.cpu.ns_accuracy                       # the main job's model, steps 5, 20 and 60
+    python -m bench.cpu.ns_accuracy --at 1,2 --depth 2    # smaller and sooner
 
 The main job's model (depth 4, 8 rows of 256 tokens per step, vocabulary 4,096) trains on the
 built-in stories with the default recipe, Polar Express in fp32 so that the trajectory does not
 depend on the dtypes measured. At each step in --at, every matrix Muon orthogonalises is taken as
 Muon's update sees it (the step's gradient lerped towards the Nesterov momentum buffer) and run
-through `optim.polar_express` in each dtype. The table gives, per matrix shape in the kernel layout
+through `kernels.cpu_muon.polar_express` in each dtype. The table gives, per matrix shape in the kernel layout
 (in, out), the median and the largest relative Frobenius difference to the standard iteration in
-float64. The dtype `orthogonalisation_dtype` picks on this machine is starred.
+float64. The dtype this machine's kernels record picks is starred.
 
 Text-trained gradients are far from well conditioned (the smallest singular value of a c_proj
 gradient was ~2e-4 of its largest after 5 steps), and that is where the bf16 forms lose accuracy:
@@ -107,7 +107,7 @@ def measure(inputs: dict[int, list[np.ndarray]], dtypes=DTYPES) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from flaxchat.optim import polar_express
+    from flaxchat.kernels.cpu_muon import polar_express
     runs = {dt: jax.jit(lambda g, dt=dt: polar_express(g, 5, dt).astype(jnp.float32)) for dt in dtypes}
     table = {}
     for step, mats in inputs.items():
@@ -135,14 +135,12 @@ def main(argv=None):
     if at[0] < 0 or args.depth < 1:
         p.error("--at takes steps from 0 on, and --depth is at least 1")
 
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()
-    import jax
-
+    from flaxchat.kernels import tune_process
+    tune_process()
     from bench.train_throughput import cpu_line
-    from flaxchat.optim import orthogonalisation_dtype
+    from flaxchat.kernels import choose
     print(cpu_line())
-    default = orthogonalisation_dtype(jax.default_backend())
+    default = choose().ns_dtype
     table = measure(muon_inputs(args.depth, at, log=lambda line: print(line, flush=True)))
     print("relative Frobenius difference to float64's standard iteration, median (largest) over the matrices of a "
           f"shape; * = this machine's default ({default})")

@@ -1,7 +1,7 @@
 """Data parallel between processes on one host: the gradients' all-reduce, and the train step.
 
-    python -m bench.data_parallel                       # config A at 16K tokens per step, 2 processes
-    python -m bench.data_parallel --config S --accum 2 --steps 2    # a smoke size: does the bench run here
+    python -m bench.cpu.data_parallel                       # config A at 16K tokens per step, 2 processes
+    python -m bench.cpu.data_parallel --config S --accum 2 --steps 2    # a smoke size: does the bench run here
 
 Starts `--procs` copies of itself joined over 127.0.0.1 (JAX's distributed runtime; on CPU its
 collectives go through gloo), each pinned to one core as a pod's hosts each own theirs, and one
@@ -84,7 +84,7 @@ def worker(config: str, accum: int, rows: int, steps: int) -> dict:
 
 def _run(procs: int, args) -> dict:
     """Start the processes of one measurement; process 0's result."""
-    cmd = [sys.executable, "-m", "bench.data_parallel", f"--config={args.config}", f"--accum={args.accum}",
+    cmd = [sys.executable, "-m", "bench.cpu.data_parallel", f"--config={args.config}", f"--accum={args.accum}",
            f"--rows={args.rows}", f"--steps={args.steps}"]
     env = {**os.environ, ROLE: "worker"}
     if procs > 1:
@@ -103,9 +103,9 @@ def _run(procs: int, args) -> dict:
             try:
                 stdout, stderr = p.communicate(timeout=args.timeout)
             except subprocess.TimeoutExpired:
-                raise SystemExit(f"bench.data_parallel: {procs} process(es) did not finish in {args.timeout} s")
+                raise SystemExit(f"bench.cpu.data_parallel: {procs} process(es) did not finish in {args.timeout} s")
             if p.returncode != 0:
-                raise SystemExit(f"bench.data_parallel: a process exited with {p.returncode}:\n{stderr[-3000:]}")
+                raise SystemExit(f"bench.cpu.data_parallel: a process exited with {p.returncode}:\n{stderr[-3000:]}")
             results.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:  # one process failing leaves the others waiting on it
         for p in started:
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of baseline and processes")
     p.add_argument("--timeout", type=int, default=900, help="seconds one measurement may take")
     args = p.parse_args(argv)
-    from flaxchat.errors import tune_cpu_runtime
-    tune_cpu_runtime()  # as training runs; the processes started below inherit its tunables
+    from flaxchat.kernels import tune_process
+    tune_process()  # as training runs; the processes started below inherit its tunables
     if os.environ.get(ROLE) == "worker":
         print(json.dumps(worker(args.config, args.accum, args.rows, args.steps)), flush=True)
         return 0

@@ -1,13 +1,13 @@
 """Whether Polar Express's precision changes what the main job learns: validation bpb per dtype.
 
-    python -m bench.ns_training                                  # 600 steps, seeds 0-3, ~40 min
-    python -m bench.ns_training --steps 200 --seeds 0 --dtypes float32,bfloat16
+    python -m bench.cpu.ns_training                                  # 600 steps, seeds 0-3, ~40 min
+    python -m bench.cpu.ns_training --steps 200 --seeds 0 --dtypes float32,bfloat16
 
 Runs the main job (`scripts.run_tinystories`, depth 4 on the built-in stories, no export) once per
 seed and `--ns-dtype`, each in its own process as a user would start it, and prints the final
 validation bits per byte of each run, each dtype's mean, and its mean difference to float32's run
 of the same seed (the seed sets the initialisation and the data order, so the seeds are the noise
-to compare a difference with). `bench.ns_accuracy` measures how far each dtype's update is from
+to compare a difference with). `bench.cpu.ns_accuracy` measures how far each dtype's update is from
 float64; this bench says whether the trained model notices. Flags after `--` go to every run.
 """
 

@@ -1,0 +1,139 @@
+"""How this backend runs the model: one record of kernels, chosen once per process.
+
+    k = kernels.choose()                               # what the running backend does best
+    k = kernels.choose(attention="xla", grad_checkpoint=True)
+    model = GPT(cfg, rngs=..., kernels=k)              # compute_init(...).kernels in the scripts
+
+The record (`Kernels`) holds every choice that changes how, never what, the model computes:
+attention, the linear layer, rotary + QK-norm, the capped cross-entropy, remat, how the train step
+accumulates micro-batches, and Polar Express's form. The model keeps it (a static attribute, so a
+jitted function compiled for one record is never reused for another); the train step, the engine
+and the optimizer take it from there or from `compute_init`. Export uses `portable()`, plain XLA
+ops every runtime converts.
+
+One file per backend holds its choices: `tpu.py` (Pallas splash attention), `gpu.py` (cuDNN flash
+attention), `cpu.py` (the XLA:CPU forms: stored transposes, hand-written backwards, the malloc
+tuning of training processes), with the CPU's attention in `cpu_attention.py` and its Polar Express
+forms in `cpu_muon.py`. `flaxchat.ops` keeps the plain math they all compute.
+
+Adding an attention kernel: write `fn(q, k, v, window, block) -> y` (q (B,T,H,D), k/v (B,T,Hkv,D),
+keys max(0, t-window+1) .. t; `block` is the model's attention block, which a kernel with its own
+tiling ignores) in the backend's file and name it in that file's ATTENTION; `--attention NAME` then
+works everywhere, and a test holds it to `ops.reference_attention`. Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+BACKENDS = ("cpu", "gpu", "tpu")
+_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The kernels a model runs with (hashable: it is part of the model's static graph)."""
+
+    backend: str  # cpu, gpu, tpu, or portable (export)
+    attention_name: str  # what `attention` is: splash, cudnn, blockwise, xla, ...
+    attention: Callable  # (q, k, v, window, block) -> y
+    matmul: Callable  # (x, w) -> x @ w, with this backend's backward
+    rotary_rms_norm: Callable  # (x, RotaryTable, scale) -> rms_norm(rotary(x)) * scale
+    cross_entropy: Callable  # (raw logits, labels, cap) -> per-token nats of the soft-capped logits
+    polar_express: Callable  # (g, steps, dtype) -> the orthogonalised g (Muon)
+    ns_dtype: str  # Polar Express's dtype when --ns-dtype is auto
+    remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
+    scan_unroll: int = 1  # micro-batches the accumulation runs side by side
+    halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
+    flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer
+
+    @property
+    def grad_checkpoint(self) -> bool:
+        return self.remat is not None
+
+    def describe(self) -> str:
+        """One line for a log: what runs where."""
+        extra = ", remat (--grad-checkpoint)" if self.remat is not None else ""
+        return f"kernels: {self.backend}, attention {self.attention_name}{extra}"
+
+
+def backend_module(backend: str):
+    """The module of a backend's choices (cpu, gpu or tpu; cuda and rocm are gpu)."""
+    backend = _ALIASES.get(backend, backend)
+    if backend == "tpu":
+        from flaxchat.kernels import tpu as module
+    elif backend == "gpu":
+        from flaxchat.kernels import gpu as module
+    else:
+        from flaxchat.kernels import cpu as module
+    return module
+
+
+def attention_kernels() -> dict[str, Callable]:
+    """Every attention kernel by name: xla (anywhere) and those each backend's file adds."""
+    found = {"xla": _xla}
+    for backend in BACKENDS:
+        found.update(backend_module(backend).ATTENTION)
+    return found
+
+
+def attention_names() -> tuple[str, ...]:
+    """What --attention takes: auto (the backend's default) and every kernel's name."""
+    return ("auto", *sorted(attention_kernels()))
+
+
+def _xla(q, k, v, window, block):
+    from flaxchat import ops
+    return ops.xla_attention(q, k, v, window)
+
+
+@functools.lru_cache(maxsize=None)
+def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False) -> Kernels:
+    """The record for `backend` (default: JAX's) with attention `attention` (auto: the backend's
+    default; any named kernel runs anywhere, a TPU kernel off TPU in Pallas's slow interpret mode)
+    and remat when `grad_checkpoint`. The same arguments give the same record (cached)."""
+    import jax
+
+    from flaxchat.errors import UserError
+    backend = backend or jax.default_backend()
+    backend = _ALIASES.get(backend, backend)
+    module = backend_module(backend)
+    name = module.DEFAULT_ATTENTION if attention == "auto" else attention
+    table = attention_kernels()
+    if name not in table:
+        raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {attention!r}).")
+    return module.kernels(name, table[name], grad_checkpoint)
+
+
+@functools.lru_cache(maxsize=None)
+def portable() -> Kernels:
+    """Plain XLA ops and dense attention: what an exported program (StableHLO, TFLite) is made of."""
+    from flaxchat import ops
+    from flaxchat.optim import polar_express
+    return Kernels(backend="portable", attention_name="xla", attention=_xla, matmul=ops.matmul,
+                   rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
+                   polar_express=polar_express, ns_dtype="float32")
+
+
+def runs_on_cpu() -> bool:
+    """Whether this process's JAX will compute on the CPU, decided without starting JAX's backend:
+    JAX_PLATFORMS where set, else whether an accelerator plugin (libtpu, a CUDA or ROCm plugin) is
+    installed. Starting the backend to ask would take the chip (a TPU is held by one process)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    import importlib.util
+    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+    return not any(importlib.util.find_spec(name) for name in plugins)
+
+
+def tune_process() -> None:
+    """Prepare a training process for where its step runs: on a CPU, the malloc tuning and
+    synchronous dispatch of `flaxchat.kernels.cpu.tune_runtime` (a restart of the process); on an
+    accelerator, nothing. Call it first thing in a training entry point."""
+    if runs_on_cpu():
+        from flaxchat.kernels.cpu import tune_runtime
+        tune_runtime()

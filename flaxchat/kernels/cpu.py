@@ -1,0 +1,370 @@
+"""The CPU's kernels: what XLA:CPU needs to run flaxchat's step near a core's matmul peak.
+
+Each form computes what `flaxchat.ops` computes (the losses of the main job's first 20 steps agree
+within a few ulps), only arranged for XLA:CPU. Every figure below was measured on 2-core cloud
+machines (AMD EPYC Zen 4 / Zen 5, Intel Xeon with AMX), interleaved against the plain form;
+docs/cpu.md lists each technique with its gain.
+
+* `matmul`: a linear layer whose backward takes dW through a stored transpose (`_weight_grad`).
+* `rotary_rms_norm`, `softcap_cross_entropy`: hand-written backwards that read less memory.
+* `remat_block`: gradient checkpointing that XLA:CPU's scheduler cannot undo.
+* The accumulation: two micro-batches side by side, a lone one in halves on AMD, gradients
+  all-reduced as one flat buffer between processes.
+* Polar Express by the CPU's bf16 dot instructions (`cpu_muon`), the blockwise attention kernel
+  (`cpu_attention`), and `tune_runtime`, the malloc tuning of a training process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxchat import ops
+
+DEFAULT_ATTENTION = "blockwise"
+
+
+def _blockwise(q, k, v, window, block):
+    from flaxchat.kernels.cpu_attention import causal_attention
+    return causal_attention(q, k, v, window, block)
+
+
+ATTENTION = {"blockwise": _blockwise}  # the kernels this file adds to --attention
+
+
+def kernels(attention_name: str, attention, grad_checkpoint: bool):
+    """The CPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
+    from flaxchat.kernels import Kernels
+    from flaxchat.kernels.cpu_muon import polar_express
+    return Kernels(backend="cpu", attention_name=attention_name, attention=attention, matmul=matmul,
+                   rotary_rms_norm=rotary_rms_norm, cross_entropy=softcap_cross_entropy,
+                   polar_express=polar_express, ns_dtype=orthogonalisation_dtype(),
+                   remat=remat_block if grad_checkpoint else None, scan_unroll=SIDE_BY_SIDE,
+                   halve_lone_micro_batch=halves_a_lone_micro_batch(), flat_gradient_reduce=True)
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def stored_transpose(x: jax.Array, perm) -> jax.Array:
+    """`jnp.transpose(x, perm)` as a copy of the materialised x, on CPU (a plain transpose on the
+    other backends, where the CPU kernels here run only when asked for by name).
+
+    XLA:CPU fuses a transpose with the elementwise work that produced its input and then runs the
+    producer column by column: relu²(h)ᵀ for h (2048, 1024) took 12.2 ms where transposing a
+    stored array took 0.6 ms. It drops optimization barriers before fusing, but never fuses
+    across a conditional, so the transpose goes in one (both branches the same; the predicate reads
+    the data, so the compiler cannot fold the conditional away). One train step of an 8L/512d GPT:
+    1,171 -> 1,059 ms; 4L/256d: 295 -> 270 ms (2-core AMD EPYC, interleaved).
+    """
+    if not _on_cpu():
+        return jnp.transpose(x, perm)
+    flat = x.reshape(-1)
+    keep = flat[0] == flat[0]  # True, except for a NaN (then the other, identical branch runs)
+    return jax.lax.cond(keep, lambda a: jnp.transpose(a, perm), lambda a: jnp.transpose(a, perm), x)
+
+
+# --- linear -------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def matmul(x, w):
+    """x (..., in) @ w (in, out), its dW computed as `transpose(x) @ g` (or, for a layer that
+    narrows, as the transpose of `transpose(g) @ x`), the transpose stored first: XLA:CPU lowers
+    the token-contracting dot `xᵀ·g` to a slow generic dot, and an explicit transpose followed by a
+    plain NN matmul goes to the fast library (57% -> 66% MFU on an 8L/512d GPT)."""
+    return jnp.matmul(x, w)
+
+
+def _matmul_fwd(x, w):
+    return jnp.matmul(x, w), (x, w)
+
+
+def _matmul_bwd(res, g):
+    x, w = res
+    x2 = x.reshape(-1, x.shape[-1])
+    g2 = g.reshape(-1, g.shape[-1])
+    dw = _weight_grad(x2, g2).astype(w.dtype)
+    dx = jnp.matmul(g, w.T).astype(x.dtype)
+    return dx, dw
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _weight_grad(x: jax.Array, g: jax.Array) -> jax.Array:
+    """dW = xᵀ·g for x (N, in) and g (N, out), as a plain NN product of a stored transpose.
+
+    The token-by-feature matrix that gets transposed is the narrower of x and g: for a layer that
+    narrows (in > out, the MLP's c_proj) that is g, and then the small (out, in) result is
+    transposed back. c_proj's dW at 2,048 tokens (relu² input materialised, 2-core AMD EPYC,
+    interleaved): 1024 -> 256 in 5.1-5.9 ms against 7.1-9.4, 2048 -> 512 in 18.2 against 29.2;
+    config A's whole step 357.7 -> 342.2 and 323.6 -> 311.3 ms (medians of 20 rounds). A layer that
+    widens keeps the transpose of x: the other way took 6.3 against 4.4 ms at 256 -> 1024.
+    """
+    if x.shape[1] > g.shape[1]:
+        return stored_transpose(jnp.matmul(stored_transpose(g, (1, 0)), x), (1, 0))
+    return jnp.matmul(stored_transpose(x, (1, 0)), g)
+
+
+# --- rotary + QK-norm ----------------------------------------------------------------------------
+
+
+def rotary_rms_norm(x: jax.Array, table: ops.RotaryTable, scale: float) -> jax.Array:
+    """`ops.rotary_rms_norm` with a hand-written backward that reads only what the forward wrote
+    (the output and one RMS per row; `_rotary_norm_bwd`).
+
+    Autodiff of the two ops kept the input as well and ran the rotation's and the norm's backwards
+    as separate passes with three reductions per row. Forward and backward alone (`python -m
+    bench.cpu.norms`; 2-core AMD EPYC Zen 4, medians of 300 interleaved rounds): config A's q (8,
+    256, 4, 64) 1.78 -> 1.10 ms, config B's (2, 512, 8, 64) 1.62 -> 1.17 ms, faster in 97% and 94%
+    of the rounds. RMSNorm alone gained nothing from the same form (0.54 against 0.55 ms at (8,
+    256, 256)), so it keeps autodiff.
+    """
+    return _rotary_norm(x, table.cos, table.sin, scale)
+
+
+def _rotary_norm_fwd(x, cos, sin, scale):
+    xf = x.astype(jnp.float32)
+    r = ops.rms_reciprocal(xf)  # the rotation keeps each head's norm, so the RMS is taken before it
+    # One product by r·scale: with `(rotated · r) · scale` as two, forward+backward took 1.96
+    # against 0.93 ms at config A's q (XLA:CPU then recomputed the forward inside the backward's
+    # kernels); the rotation back written out (`back`) against rotary with -sin: 0.93 against 1.14.
+    y = (ops.rotate(xf, cos.astype(jnp.float32), sin.astype(jnp.float32)) * (r * scale)).astype(x.dtype)
+    return y, (y, r, cos, sin)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rotary_norm(x, cos, sin, scale):
+    return _rotary_norm_fwd(x, cos, sin, scale)[0]
+
+
+def _rotary_norm_bwd(scale, res, g):
+    """The rotation R is orthogonal and y = scale·R·x̂ with x̂ = x·r, so the RMSNorm backward
+    r·(u - x̂·mean(u·x̂)) at u = scale·Rᵀg becomes r·Rᵀ(scale·g - y·mean(g·y)/scale): one
+    reduction and one rotation back, from the output alone."""
+    y, r, cos, sin = res
+    yf, gf = y.astype(jnp.float32), g.astype(jnp.float32)
+    m = jnp.mean(gf * yf, axis=-1, keepdims=True) / scale
+    back = ops.rotate(gf * scale - yf * m, cos.astype(jnp.float32), sin.astype(jnp.float32), back=True)
+    return (back * r).astype(y.dtype), None, None
+
+
+_rotary_norm.defvjp(_rotary_norm_fwd, _rotary_norm_bwd)
+
+
+# --- the loss ----------------------------------------------------------------------------------
+
+
+def softcap_cross_entropy(z: jax.Array, labels: jax.Array, cap: float) -> jax.Array:
+    """`ops.softcap_cross_entropy` with a hand-written backward (`_capped_ce_bwd`)."""
+    return _capped_ce(z.astype(jnp.float32), labels, cap)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _capped_ce(z, labels, cap):
+    return ops.capped_cross_entropy_terms(z, labels, cap)[0]
+
+
+def _capped_ce_fwd(z, labels, cap):
+    """Keeps tanh(z/cap) and the exponentials for the backward, not the raw z (z dies with the
+    forward), so the backward computes no exp.
+
+    Saving z held a second logits-sized buffer from the forward to the backward: config A's train
+    step (8 x 256 tokens, 4,096-token vocab) needed a 347.6 MiB temporary arena with it and 315.6
+    MiB with s (`compiled.memory_analysis()`), and XLA:CPU maps and faults in that arena afresh
+    every step. The step, paired by round in one process (2-core Intel Xeon with AMX): 11.0 and
+    5.1 ms faster at the median (30 rounds each, faster in 73% and 67%); pinned to one core, 19.9
+    ms of 722.
+
+    Then s, computed again in the backward (exp(s - lse)), gave way to tanh and the exponentials
+    themselves: an exp per logit is dearer on XLA:CPU than writing and reading one more
+    logits-sized array. The LM head with its loss, forward+backward at one 1,024 x 4,096 micro-batch
+    (2-core Intel Xeon with AMX, 60 interleaved rounds, the training processes' malloc tuning):
+    28.75 -> 26.40 ms, pinned to one core 52.3 -> 46.5; the main job's step (8 x 256 tokens) in five
+    alternating pairs of fresh processes, 335.8 -> 328.7 ms on the means, faster in all five.
+    The price is that second logits-sized buffer again: the step's temporary arena went from 315.6
+    back to 347.6 MiB at that shape, 327.0 -> 342.1 MiB at 16 x 4 x 256 tokens (`tune_runtime`
+    keeps the arena between steps, so it is not faulted in afresh).
+    """
+    loss, (t, e, se) = ops.capped_cross_entropy_terms(z, labels, cap)
+    return loss, (t, e, se, labels)
+
+
+def _capped_ce_bwd(cap, res, g):
+    """dz = g·(softmax - onehot)·(1 - tanh²) in one pass over what the forward kept.
+
+    Autodiff of the composition (optax's cross-entropy on cap·tanh(z/cap)) wrote five
+    logits-sized arrays per step (tanh, exp, its product with the row's gradient, a scatter of the
+    labels' -1 into a copy, the tanh derivative); this writes one. The LM head's forward+backward
+    at config A's 2,048 x 4,096 logits (2-core AMD EPYC, interleaved): 60.5 -> 55.7 ms.
+    """
+    t, e, se, labels = res
+    p = e * (1.0 / se)[..., None]  # the softmax
+    hot = jnp.arange(t.shape[-1]) == labels[..., None]
+    return g[..., None] * (p - hot) * (1 - t * t), None
+
+
+_capped_ce.defvjp(_capped_ce_fwd, _capped_ce_bwd)
+
+
+# --- remat ---------------------------------------------------------------------------------------
+
+
+def remat_block(block, x, idx, rope, window, kernels):
+    """A block whose activations are recomputed in the backward pass (--grad-checkpoint).
+
+    `nnx.remat` is not enough on CPU: XLA:CPU strips the optimization barriers remat relies on, so
+    its scheduler ran each block's recomputation during the forward and the peak did not drop (it
+    rose). Here the recomputation takes a (numerically void) input from the block's output
+    cotangent, so it cannot run before the backward pass reaches the block.
+    """
+    graphdef, state = nnx.split(block)
+    return _remat(graphdef, window, kernels, state, x, idx, rope)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _remat(graphdef, window, kernels, state, x, idx, rope):
+    return nnx.merge(graphdef, state)(x, idx, rope, window, kernels)
+
+
+def _remat_fwd(graphdef, window, kernels, state, x, idx, rope):
+    return _remat(graphdef, window, kernels, state, x, idx, rope), (state, x, idx, rope)
+
+
+def _remat_bwd(graphdef, window, kernels, res, ct):
+    state, x, idx, rope = res
+    # x + 0·ct[0]: XLA keeps a float multiply by zero (it is not an identity for inf/NaN), so this
+    # is a true data dependency on the cotangent, the one ordering XLA:CPU's scheduler respects.
+    x = x + (ct.reshape(-1)[0] * 0).astype(x.dtype)
+    f = lambda state, x: nnx.merge(graphdef, state)(x, idx, rope, window, kernels)
+    _, vjp = jax.vjp(f, state, x)
+    d_state, dx = vjp(ct)
+    return d_state, dx, None, None
+
+
+_remat.defvjp(_remat_fwd, _remat_bwd)
+
+
+# --- the accumulation ----------------------------------------------------------------------------
+
+# Two micro-batches in one loop body of the accumulation scan are two independent forward+backward
+# chains, and XLA:CPU runs independent kernels side by side: where one chain's small memory-bound
+# kernels leave a core idle, the other's work fills it. On a 2-core Intel Xeon (AMX), config A's
+# step at 16K tokens (16 micro-batches of 4 rows) took 1,995-2,047 ms against 2,127-2,199 one at a
+# time (four interleaved rounds); config B at 16K moved within the noise. On a 2-core AMD EPYC (Zen
+# 4), paired in one process: config A at 16K 2,955 -> 2,798 ms (median of 10 rounds' differences
+# -4.4%), config B at 16K (16 x 2 rows) 16,510 -> 15,862 ms (-3.6%, faster in all 5 rounds).
+# (On TPU and GPU memory is what binds, and two micro-batches' activations at once would double it.)
+SIDE_BY_SIDE = 2
+
+
+def halves_a_lone_micro_batch(cpuinfo: str | None = None) -> bool:
+    """Whether a step of one micro-batch runs it as two halves side by side: on AMD CPUs.
+
+    The halves' sums are the whole's, added in another order. On a 2-core AMD EPYC (Zen 4), paired
+    in one process (30 rounds): the main job's step (8 x 256 tokens) 384.5 -> 378.8 ms, a median
+    difference of -6.8 ms, faster in 86% of rounds (-6.9 ms and 90% in a second run); config B's
+    4 x 512 2,829 -> 2,774 ms (-31 ms, all 10 rounds). On a 2-core Intel Xeon (AMX) the split
+    gained nothing (320 / 321 / 323 / 312 against 316 / 315 / 312 / 318 ms), so Intel keeps a lone
+    micro-batch whole. `cpuinfo`: /proc/cpuinfo's text, for tests."""
+    return read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD"
+
+
+# Between two processes joined over gloo on a 2-core Intel Xeon, config A's 35 gradients (29.4 MB)
+# took 137-142 ms to all-reduce as arrays and 39-40 ms as one flat buffer (`python -m
+# bench.cpu.data_parallel`): the record's flat_gradient_reduce. (Elsewhere XLA's all-reduce combiner
+# merges the arrays itself, and a flat copy would hold every gradient twice.)
+
+
+# --- the machine ----------------------------------------------------------------------------------
+
+
+def read_cpuinfo(text: str | None = None) -> dict[str, str]:
+    """The first value of each key of /proc/cpuinfo ("model name", "flags", "vendor_id", ...), or
+    of `text` (that file's contents, for tests); empty off Linux."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+        except OSError:
+            return {}
+    info = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            info.setdefault(key.strip(), value.strip())
+    return info
+
+
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot-product instructions
+
+
+def cpu_has_bf16_dots(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 dot-product instructions (the flags of /proc/cpuinfo, so Linux;
+    elsewhere False). `cpuinfo`: that file's text, for tests."""
+    flags = read_cpuinfo(cpuinfo).get("flags", "").split()
+    return any(flag in flags for flag in BF16_DOT_FLAGS)
+
+
+def orthogonalisation_dtype(cpu_bf16: bool | None = None, cpuinfo: str | None = None) -> str:
+    """Polar Express's form on this CPU: with bf16 dot instructions (`cpu_has_bf16_dots`, or
+    `cpu_bf16`) bf16-operands on AMD and bf16-products on Intel, else float32 (`cpu_muon` has the
+    forms and their measurements). A CPU flag, not a timing probe: a probe on a busy machine could
+    choose differently in two runs of one job, or in a run and its resume. `cpuinfo`:
+    /proc/cpuinfo's text, for tests."""
+    from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS
+    if not (cpu_has_bf16_dots(cpuinfo) if cpu_bf16 is None else cpu_bf16):
+        return "float32"
+    return BF16_OPERANDS if read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD" else BF16_PRODUCTS
+
+
+# --- the training process ------------------------------------------------------------------------
+
+# glibc malloc for a training process: transparent huge pages, and freed memory kept for the next
+# step rather than returned to the kernel (no mmap'd chunks, no trimming). See `tune_runtime`.
+MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:"
+                   "glibc.malloc.trim_threshold=17179869184")
+
+
+def tune_runtime() -> None:
+    """Set up this process's memory for training on a CPU: restart it once with MALLOC_TUNABLES,
+    then run each jitted call on the calling thread (JAX's CPU async dispatch off). Called through
+    `flaxchat.kernels.tune_process`, which skips it where the step runs on an accelerator.
+
+    XLA:CPU takes one block for a train step's temporaries (315 MiB at the main job's depth 4 and
+    2,048 tokens) every step and frees it after. Allocated on a dispatch worker thread, that block
+    is larger than a thread's malloc heap can hold, so glibc maps it fresh and unmaps it each
+    step, and the kernel zeroes and faults it in again: ~600 huge-page faults and 57-80 ms of
+    system CPU per step on a 2-core Intel Xeon, 10% of the step's CPU time. Run on the main thread
+    it comes from the main heap, which these tunables keep: 0-18 faults and 3-8 ms per step, and
+    the step 7-15% faster at 2,048 tokens (within the noise at 16K tokens per step, where the block is
+    reused over 16 micro-batches); peak RSS unchanged. Huge pages alone made a 2K-token step 19%
+    faster than 4 KiB pages on a 2-core AMD EPYC.
+    (Keeping freed memory with the step still on a worker thread needs glibc.malloc.arena_max=1,
+    one heap for every thread: 7-8% slower at 16K tokens and ~1.7x the peak RSS.)
+
+    A call returns when its step is done, so Python prepares the next step after it (~6 ms at depth
+    4) instead of beside it, and batch-1 decoding reads a few percent slower; the chat CLI and web
+    server keep async dispatch. Skipped off Linux, when the user set GLIBC_TUNABLES (their choice is
+    kept, with async dispatch) or with FLAXCHAT_NO_CPU_TUNING=1.
+    """
+    if (not sys.platform.startswith("linux") or os.environ.get("FLAXCHAT_NO_CPU_TUNING") == "1"
+            or not getattr(sys, "orig_argv", None)):
+        return
+    if os.environ.get("GLIBC_TUNABLES") == MALLOC_TUNABLES:  # this process runs with them
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # read when the CPU client starts
+        return
+    if "GLIBC_TUNABLES" in os.environ:
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:
+        return  # could not re-exec: run as we are

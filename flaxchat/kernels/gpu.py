@@ -1,0 +1,42 @@
+"""The GPU's kernels: cuDNN's fused flash attention, everything else the plain ops XLA fuses.
+
+Not yet measured on a GPU here; `python -m bench.device_check` on one prints what each kernel does.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from flaxchat import ops
+from flaxchat.kernels.tpu import remat_block
+
+DEFAULT_ATTENTION = "cudnn"
+_announced: set = set()
+
+
+def kernels(attention_name: str, attention, grad_checkpoint: bool):
+    """The GPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
+    from flaxchat.kernels import Kernels
+    from flaxchat.optim import polar_express
+    return Kernels(backend="gpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
+                   rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
+                   polar_express=polar_express, ns_dtype="bfloat16",
+                   remat=remat_block if grad_checkpoint else None)
+
+
+def cudnn_attention(q, k, v, window: int, block: int | None = None) -> jax.Array:
+    """cuDNN's fused flash attention with its local window; XLA's form where cuDNN does not take
+    the call (no GPU, fp32 inputs, a head size it lacks), said once."""
+    try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            local_window_size=ops.local_window(window, q.shape[1]),
+                                            implementation="cudnn")
+    except Exception as e:  # cuDNN refuses at trace time, with a reason
+        key = type(e).__name__
+        if key not in _announced and jax.process_index() == 0:
+            print(f"attention: cudnn unavailable here ({key}: {str(e).splitlines()[0][:120]}); using xla", flush=True)
+        _announced.add(key)
+        return ops.xla_attention(q, k, v, window)
+
+
+ATTENTION = {"cudnn": cudnn_attention}  # the kernels this file adds to --attention
