@@ -106,6 +106,13 @@ def test_splash_interpret_equals_reference(dtype, window):
     _check(lambda q, k, v, w: tpu.splash_attention(q, k, v, w, block=128, interpret=True), 1, 256, 4, 2, 32, window, dtype)
 
 
+def test_splash_pads_a_sequence_that_is_not_whole_tiles():
+    """--attention splash (and a TPU's prefill of any prompt length) pads to whole 128-lane tiles:
+    T=200 runs as 256, the padded keys after every real query, so the numbers are the reference's."""
+    _check(lambda q, k, v, w: kernels.choose("cpu", "splash").attention(q, k, v, w, 128), 1, 200, 4, 2, 32, 200,
+           jnp.float32)
+
+
 def test_cudnn_falls_back_to_xla_off_gpu(capsys):
     """No GPU here: cuDNN refuses at trace time and the XLA form runs, said once."""
     _check(gpu.cudnn_attention, 1, 24, 2, 1, 16, 10, jnp.bfloat16)

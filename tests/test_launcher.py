@@ -2,8 +2,8 @@
 
 The emulated workers are stock TPU VM images (python3 is 3.10, no site-packages), so setup builds a
 venv on each; the tests pass --install with a fast equivalent of the default (uv venv with this
-machine's 3.11 and its site-packages, then the uploaded repo installed editable without deps), so
-no test downloads jax or libtpu. Run folders are gs:// in the rehearsal bucket (a folder beside the
+machine's 3.11 seeing the test interpreter's packages, then the uploaded repo installed editable
+without deps), so no test downloads jax or libtpu; the same holds when the tests run inside a venv. Run folders are gs:// in the rehearsal bucket (a folder beside the
 emulated VMs): deleting a VM loses its disk, as on Google's.
 
 A stand-in training script (written into a tiny repo that the tests upload) prints progress lines on
@@ -16,8 +16,11 @@ scripts.pretrain on a 2-worker pod.
 
 import json
 import os
+import pathlib
+import shlex
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import threading
@@ -36,9 +39,15 @@ P, Z, NAME = "proj", "us-central2-b", "pod"
 UV_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flaxchat-test-uv")  # uv itself, pip --target'ed once
 UV_CACHE = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flaxchat-test-uv-cache")
 # What the default install does (a uv venv with Python 3.11, the project in it), minus the downloads:
-# this machine's 3.11 with its site-packages (jax etc.), and the uploaded repo editable without deps.
-TEST_INSTALL = (f'"$UV" venv --python {os.path.realpath(sys.executable)} --system-site-packages --allow-existing '
-                '"$FLAXCHAT_VENV" && "$UV" pip install -q --python "$FLAXCHAT_VENV/bin/python" --no-deps -e .')
+# this machine's 3.11, the packages of the interpreter that runs the tests (jax etc.; a .pth file
+# names its site-packages, which inside a virtual environment are the venv's own, not the base
+# interpreter's that --system-site-packages would give), and the uploaded repo editable without deps.
+_SEE_OUR_PACKAGES = ("import site, sys; open(site.getsitepackages()[0] + '/_flaxchat_tests.pth', 'w')"
+                     ".write(''.join(f'import site; site.addsitedir({d!r})\\n' for d in sys.argv[1:]))")
+TEST_INSTALL = (f'"$UV" venv --python {os.path.realpath(sys.executable)} --allow-existing "$FLAXCHAT_VENV" && '
+                f'"$FLAXCHAT_VENV/bin/python" -c {shlex.quote(_SEE_OUR_PACKAGES)} '
+                f'{shlex.join(site.getsitepackages())} && '
+                '"$UV" pip install -q --python "$FLAXCHAT_VENV/bin/python" --no-deps -e .')
 
 STANDIN = r"""
 import json, os, sys, time
@@ -597,6 +606,27 @@ def test_workers_never_ask_the_bucket_themselves():
 def test_check_devices_joins_every_worker_into_one_job(spod):
     spod.config.coordinator_port = _free_port()
     assert spod.check_devices() == {"backend": "cpu", "device_count": 8, "process_count": 2}  # v4-16: 2 x 4 chips
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_launcher_tests_pass_when_run_from_a_virtual_environment(tmp_path):
+    """As most users run the suite: from a venv whose own site-packages hold the dependencies (here a
+    .pth naming this interpreter's), where the base interpreter has none of them. The rehearsal's
+    workers must see the venv's packages: a pod is created, set up, and joins one JAX job."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    inner = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                           text=True, check=True, timeout=60).stdout.strip()
+    pathlib.Path(inner, "_deps.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
+                                                        for d in site.getsitepackages()))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", PYTHONPATH=REPO)
+    r = subprocess.run([str(python), "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                        "tests/test_launcher.py", "-k", "test_check_devices_joins_every_worker_into_one_job"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @pytest.mark.timeout(60)

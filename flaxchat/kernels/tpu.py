@@ -85,11 +85,13 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
 
 
 def _splash(q, k, v, window, block):
-    """Splash where the sequence tiles into 128-lane blocks; dense XLA attention where it does not
-    (a prompt of odd length at inference, a short sequence)."""
-    if q.shape[1] % 128:
-        return ops.xla_attention(q, k, v, window)
-    return splash_attention(q, k, v, window)
+    """Splash on a sequence padded to whole 128-lane blocks (a prompt at inference, a short
+    sequence): the padded keys come after every real query, so causality hides them."""
+    T = q.shape[1]
+    pad = -T % 128
+    if pad:
+        q, k, v = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (q, k, v))
+    return splash_attention(q, k, v, window)[:, :T]
 
 
 ATTENTION = {"splash": _splash}  # the kernels this file adds to --attention
