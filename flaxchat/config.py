@@ -152,7 +152,7 @@ class TrainConfig:
     # dot instructions bf16-operands on AMD and bf16-products on Intel, fp32 on other CPUs), float32,
     # bfloat16, bf16-products (fp32 iterate and Gram matrix, the other products bf16 into fp32;
     # rectangular matrices in the Gram form, fp32) or bf16-operands (as bf16-products, with the
-    # products that read the iterate from bf16 too); see docs/cpu_performance.md;
+    # products that read the iterate from bf16 too); see docs/cpu.md;
     # `bench.train_throughput --phases` measures them
     ns_dtype: str = "auto"
     sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto

@@ -56,7 +56,7 @@ HELP = {
                 "instructions bf16-operands on AMD and bf16-products on Intel, fp32 elsewhere), float32, bfloat16, "
                 "bf16-products (fp32, with two of its three products from bf16 operands; rectangular matrices in "
                 "the fp32 Gram form) or bf16-operands (as bf16-products, with every product that reads the iterate "
-                "from bf16 operands); see docs/cpu_performance.md",
+                "from bf16 operands); see docs/cpu.md",
     "sharding": "dp (parameters replicated), fsdp (parameters, gradients and optimizer state split), auto",
     "eval_every": "steps between validation bpb evaluations, and one at the end (0: none)",
     "eval_tokens": "validation tokens per evaluation",

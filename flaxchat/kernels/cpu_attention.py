@@ -165,7 +165,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 #   (2, 512, 8, 64), window 128: 22.7 -> 15.9 ms;          (2, 512, 8, 64), window 512: 34.0 -> 34.6 ms
 # Loops of 64-key blocks instead: 19.5, 11.9, 20.8 and 37.5 ms; of 32: slower still. The whole
 # train step (interleaved in one process, paired medians): config A -12.7 ms of 516 at 2K tokens and
-# -51 ms of 3,255 at 16K, config B -101 ms of 3,779 at 2K. docs/cpu_performance.md.
+# -51 ms of 3,255 at 16K, config B -101 ms of 3,779 at 2K. docs/cpu.md.
 SHORT_TOKENS = 512
 SHORT_TILE = 64
 
