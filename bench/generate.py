@@ -1,15 +1,18 @@
 """Generation speed of the Engine, printed (never asserted): compile time, time to first token,
 batch-1 decode tok/s, batch-8 throughput, recompiles, the roofline bound, speculative decoding.
 
-    python -m bench.generate                                   # config A, random weights
+    python -m bench.generate                                   # config A (depth 4), random weights
+    python -m bench.generate --depth 12 --vocab 32768 --seq 2048    # a d12 model (on a GPU or TPU)
     python -m bench.generate --main-run runs/a --draft-run runs/b   # + speculative decoding
 
 Config A: 4 layers, n_embd 256, 4 heads, vocab 4096, context 256; a 16-token prompt and 128 new
-tokens. The bound is measured on this machine at the moment of the run (a shared 2-core box: the
-load average is printed with every figure): a jitted 2048^3 matmul for the FLOP/s peak; the
-bytes/s of the best matrix-vector product here (OpenBLAS on both cores) over the model's size
-(L3-resident) and over 256 MB (main memory); and the model's own matrices as a chain of XLA
-matrix-vector products. Decode is memory-bound: tok/s <= bytes/s / bytes per token.
+tokens. `--depth` takes the depth preset instead. Decode is memory-bound: tok/s <= bytes/s / bytes
+read per token (every matmul weight as stored, and the KV cache). The bound is measured on this
+machine at the moment of the run. On a CPU (a shared 2-core box: the load average is printed with
+every figure): a jitted 2048^3 matmul for the FLOP/s peak; the bytes/s of the best matrix-vector
+product here (OpenBLAS on both cores) over the model's size (L3-resident) and over 256 MB (main
+memory); and the model's own matrices as a chain of XLA matrix-vector products. On an accelerator:
+its bf16 matmul peak and its copy bandwidth (a jitted copy of 1 GiB, bytes read and written).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import engine as E
-from flaxchat.common import measured_matmul_peak
-from flaxchat.config import GPTConfig
+from flaxchat.common import measured_matmul_peak, resolve_dtype
+from flaxchat.config import GPTConfig, config_for_depth
 from flaxchat.errors import UserError
 from flaxchat.gpt import GPT, matmul_param_count
 
@@ -37,9 +40,10 @@ def load() -> str:
     return f"load {os.getloadavg()[0]:.1f}"
 
 
-def random_model(cfg: GPTConfig, seed: int = 0) -> GPT:
-    """Config-shaped model with random numpy weights (speed does not depend on the values)."""
-    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+def random_model(cfg: GPTConfig, seed: int = 0, dtype=jnp.float32) -> GPT:
+    """Config-shaped model with random numpy weights (speed does not depend on the values); fp32
+    parameters as training keeps them, computing in `dtype`."""
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     rng = np.random.default_rng(seed)
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda l: jnp.asarray(rng.standard_normal(l.shape) * 0.05, jnp.float32), state))
@@ -93,16 +97,28 @@ def matvec_floor(model: GPT, steps: int = 128) -> float:
     return steps / min(_timed(lambda: loop(blocks, head, x).block_until_ready()) for _ in range(5))
 
 
-def step_kernels() -> int:
-    """Kernels (fusions, dots, copies, ...) XLA runs per step of the compiled decode loop."""
+def step_kernels() -> int | None:
+    """Kernels (fusions, dots, copies, ...) XLA:CPU runs per step of the compiled decode loop; None
+    where the module is not XLA:CPU's kind of text (a TPU's or GPU's fuses the dots away)."""
     import re
     for key, fn in E._COMPILED.items():
         if key[1] == "advance":
-            text = fn.as_text()
-            bodies = re.split(r"\n(?=\S)", text)
-            body = max((b for b in bodies if "dot(" in b and "ENTRY" not in b[:10]), key=lambda b: b.count("\n"))
+            bodies = re.split(r"\n(?=\S)", fn.as_text())
+            with_dots = [b for b in bodies if "dot(" in b and "ENTRY" not in b[:10]]
+            if not with_dots:
+                return None
+            body = max(with_dots, key=lambda b: b.count("\n"))
             return len(re.findall(r"= \S+ (?:fusion|dot|copy|custom-call|sort|scatter|gather|while|conditional)\(", body))
-    return -1
+    return None
+
+
+def copy_bandwidth(nbytes: int = 2**30, reps: int = 5) -> float:
+    """Bytes/s through the device's memory: a jitted copy of `nbytes` (read once, written once),
+    best of `reps`. What a memory-bound decode step can at most stream."""
+    x = jnp.zeros(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda x: x + 1.0)
+    copy(x).block_until_ready()
+    return 2 * nbytes / min(_timed(lambda: copy(x).block_until_ready()) for _ in range(reps))
 
 
 def profile_step(engine, prompt, new: int) -> None:
@@ -138,33 +154,51 @@ def decode_run(engine, prompt, new, batch=1, **kw):
     return first - t0, (n - 1) * batch / max(end - first, 1e-9), n * batch
 
 
+def bench_config(args) -> tuple[str, GPTConfig]:
+    if args.depth is None:
+        return "config A", CONFIG_A
+    return f"d{args.depth}", config_for_depth(args.depth, vocab_size=args.vocab, sequence_len=args.seq)
+
+
 def bench_engine(args) -> None:
-    cfg = CONFIG_A
-    model = random_model(cfg)
+    name, cfg = bench_config(args)
+    backend = jax.default_backend()
+    dtype = resolve_dtype("auto")  # bf16 compute on TPU/GPU, as inference runs there
+    model = random_model(cfg, dtype=dtype)
     engine = E.Engine(model)
     prompt = list(range(1, args.prompt_len + 1))
     n_matmul = matmul_param_count(model)
     cache_len = engine.plan(prompt, args.new_tokens)[2]
-    weight_bytes = 4 * n_matmul
-    kv_bytes = 4 * 2 * cfg.n_layer * cfg.n_kv_head * cache_len * cfg.head_dim  # read per row per step
+    weight_bytes = 4 * n_matmul  # fp32 parameters, read once per token step
+    kv_bytes = jnp.dtype(dtype).itemsize * 2 * cfg.n_layer * cfg.n_kv_head * cache_len * cfg.head_dim  # per row
     flops = 2 * n_matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * cache_len
-    print(f"config A: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
+    print(f"{name}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
           f"{n_matmul / 1e6:.2f}M matmul params = {weight_bytes / 1e6:.1f} MB fp32 per token step, "
-          f"{flops / 1e6:.1f} MFLOP/token, cache bucket {cache_len}")
+          f"{flops / 1e6:.1f} MFLOP/token, cache bucket {cache_len}; {backend}, compute "
+          f"{jnp.dtype(dtype).name}, {model.kernels.describe()}")
 
     # --- machine ---------------------------------------------------------------------------------
-    peak = measured_matmul_peak()
     step_bytes = weight_bytes + kv_bytes
-    in_cache = bandwidth(step_bytes, cfg.n_embd)
-    in_memory = bandwidth(256 * 2**20, cfg.n_embd)
-    floor = matvec_floor(model)
-    print(f"machine now: matmul peak {peak / 1e9:.0f} GFLOP/s; matrix-vector bytes/s (OpenBLAS, 2 threads): "
-          f"{in_cache / 1e9:.0f} GB/s over {step_bytes / 1e6:.0f} MB (L3 cache), {in_memory / 1e9:.0f} GB/s over "
-          f"256 MB (memory) ({load()})")
-    print(f"bound, batch 1: FLOPs {peak / flops:,.0f} tok/s; bytes {in_cache / step_bytes:,.0f} tok/s with every "
-          f"weight read from L3 at the best rate, {in_memory / step_bytes:,.0f} tok/s from memory; the model's "
-          f"{len(model_matrices(model)[0]) + 1} matrix-vector products alone as XLA runs them: {floor:,.0f} tok/s")
-    bound = min(peak / flops, in_cache / step_bytes, floor)
+    if backend == "cpu":
+        peak = measured_matmul_peak()
+        in_cache = bandwidth(step_bytes, cfg.n_embd)
+        in_memory = bandwidth(256 * 2**20, cfg.n_embd)
+        floor = matvec_floor(model)
+        print(f"machine now: matmul peak {peak / 1e9:.0f} GFLOP/s; matrix-vector bytes/s (OpenBLAS, 2 threads): "
+              f"{in_cache / 1e9:.0f} GB/s over {step_bytes / 1e6:.0f} MB (L3 cache), {in_memory / 1e9:.0f} GB/s over "
+              f"256 MB (memory) ({load()})")
+        print(f"bound, batch 1: FLOPs {peak / flops:,.0f} tok/s; bytes {in_cache / step_bytes:,.0f} tok/s with every "
+              f"weight read from L3 at the best rate, {in_memory / step_bytes:,.0f} tok/s from memory; the model's "
+              f"{len(model_matrices(model)[0]) + 1} matrix-vector products alone as XLA runs them: {floor:,.0f} tok/s")
+        bound = min(peak / flops, in_cache / step_bytes, floor)
+    else:
+        peak = measured_matmul_peak(8192, jnp.bfloat16)
+        hbm = copy_bandwidth()
+        print(f"machine now: bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; copy bandwidth {hbm / 1e9:,.0f} GB/s "
+              f"(a jitted copy of 1 GiB, read + write)")
+        print(f"bound, batch 1: FLOPs {peak / flops:,.0f} tok/s; bytes {hbm / step_bytes:,.0f} tok/s "
+              f"({step_bytes / 1e6:,.1f} MB read per token at the copy bandwidth)")
+        bound = min(peak / flops, hbm / step_bytes)
 
     # --- compile once -----------------------------------------------------------------------------
     t = time.perf_counter()
@@ -172,7 +206,9 @@ def bench_engine(args) -> None:
     compiled = len(E.compile_log)
     print(f"compile (prefill + decode loop, first call): {time.perf_counter() - t:.2f} s, "
           f"{compiled} functions: " + ", ".join(f"{k[1]} {s:.1f} s" for k, s in E.compile_log))
-    print(f"the compiled decode step runs {step_kernels()} kernels one after another")
+    kernels = step_kernels()
+    if kernels is not None:
+        print(f"the compiled decode step runs {kernels} kernels one after another")
 
     # --- batch 1 -----------------------------------------------------------------------------------
     for label, kw in (("greedy", dict(temperature=0.0)), ("temp 0.8 top-k 50", dict(temperature=0.8, top_k=50)),
@@ -229,6 +265,9 @@ def bench_speculative(args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--depth", type=int, default=None, help="the depth preset to decode with (default: config A)")
+    p.add_argument("--vocab", type=int, default=32768, help="with --depth: vocabulary size (default 32768)")
+    p.add_argument("--seq", type=int, default=2048, help="with --depth: context length (default 2048)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per call (default 128)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per figure; the median and best are printed")
@@ -238,10 +277,11 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also print where a decode step's time goes, kernel by kernel (XLA:CPU trace)")
     args = p.parse_args(argv)
-    if min(args.prompt_len, args.new_tokens, args.repeats, args.k) < 1:
-        raise UserError("--prompt-len, --new-tokens, --repeats and -k must be at least 1.")
-    if args.prompt_len >= CONFIG_A.sequence_len:
-        raise UserError(f"--prompt-len must be below config A's context of {CONFIG_A.sequence_len} tokens.")
+    if min(args.prompt_len, args.new_tokens, args.repeats, args.k, args.vocab, args.seq) < 1 or (args.depth or 1) < 1:
+        raise UserError("--depth, --vocab, --seq, --prompt-len, --new-tokens, --repeats and -k must be at least 1.")
+    name, cfg = bench_config(args)
+    if args.prompt_len >= cfg.sequence_len:
+        raise UserError(f"--prompt-len must be below {name}'s context of {cfg.sequence_len} tokens.")
     if args.profile:  # read when the CPU backend starts, i.e. before the first computation
         from bench.cpu import profiling
         profiling.enable()
