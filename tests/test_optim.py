@@ -10,6 +10,7 @@ from flax import nnx
 
 from bench import relative_difference
 from bench.cpu.ns_accuracy import polar_express_f64  # the float64 reference the dtypes are measured against
+from flaxchat import kernels
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.kernels.cpu_muon import polar_express  # the CPU's forms; plain float32/bfloat16 the same
@@ -343,9 +344,10 @@ def test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence():
     from flaxchat.train import train_step
     x = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 2, 32)), jnp.int32)
     losses = {}
+    cpu = kernels.choose("cpu")  # the CPU's Polar Express forms (bf16-products is one), on any backend
     for dt in ("float32", "bf16-products"):
-        model = GPT(CFG, rngs=nnx.Rngs(0))
-        opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, ns_dtype=dt), Schedule(30)), wrt=nnx.Param)
+        model = GPT(CFG, rngs=nnx.Rngs(0), kernels=cpu)
+        opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, ns_dtype=dt), Schedule(30), cpu), wrt=nnx.Param)
         losses[dt] = [float(train_step(model, opt, x, jnp.roll(x, -1, -1))) for _ in range(5)]
     assert losses["float32"][0] == losses["bf16-products"][0]  # the same model before any update
     assert losses["float32"][4] != losses["bf16-products"][4]  # the dtype did reach Muon
