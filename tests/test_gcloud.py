@@ -105,6 +105,7 @@ def emu(tmp_path, monkeypatch):
     monkeypatch.setenv(emulator.DELAY_ENV, "0")
     shim = emulator.install_shim(str(tmp_path / "bin"))
     monkeypatch.setenv("PATH", os.path.dirname(shim) + os.pathsep + os.environ["PATH"])
+    os.makedirs(os.path.join(emulator.buckets_root(), "bk"), exist_ok=True)  # the tests' bucket
     return tmp_path
 
 

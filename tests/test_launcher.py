@@ -112,6 +112,7 @@ def _make_env(base, mp):
     mp.setenv("UV_CACHE_DIR", UV_CACHE)
     shim = emulator.install_shim(str(base / "bin"))
     mp.setenv("PATH", os.path.dirname(shim) + os.pathsep + uv_bin() + os.pathsep + os.environ["PATH"])
+    os.makedirs(os.path.join(emulator.buckets_root(), "bk"), exist_ok=True)  # the run folders' bucket
     repo = base / "repo"
     if not repo.exists():
         shutil.copytree(os.path.join(REPO, "flaxchat"), repo / "flaxchat",
