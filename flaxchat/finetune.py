@@ -203,7 +203,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     shown = ", ".join(f"{k} {v:g}" for k, v in lrs.items() if k != "weight_decay")
     log(f"{name}: {layout} over {compute.device_count} device(s); LRs {shown} x {optim.lr_frac}; "
         f"weight decay {optim.weight_decay:g}")
-    progress = Progress(name, steps=steps, process=compute.process_index)
+    progress = Progress(name, steps=steps, process=compute.process_index, run_dir=run_dir)
     progress.update(step, force=True)
     return Stage(compute, model, tokenizer, optimizer, schedule, checkpointer, progress, step, meta, base_meta,
                  run_dir, lrs)

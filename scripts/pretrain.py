@@ -286,7 +286,7 @@ def _run(tc: TrainConfig) -> dict:
                   steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
 
     # --- training loop ----------------------------------------------------------------------------
-    progress = Progress("pretrain", steps=steps, process=compute.process_index)
+    progress = Progress("pretrain", steps=steps, process=compute.process_index, run_dir=tc.run_dir)
     progress.update(step, force=True)
     peak = device_peak_flops(compute) * compute.device_count
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
