@@ -128,6 +128,7 @@ def test_pretrain_sft_rl_eval_export_tflite_all_on_gs_with_nothing_written_outsi
                  "--eval-every", "0"]),
         ("rl", ["scripts.rl", "--base", sft, "--run-dir", rl, "--steps", "1", "--prompts", "2", "--samples", "2",
                 "--max-new-tokens", "8", "--eval-every", "0", "--eval-examples", "2"]),
+        ("chat_cli", ["scripts.chat_cli", "--run-dir", rl, "-p", "What is 2 plus 3?", "--max-tokens", "4"]),
         ("eval", ["scripts.eval", "--model", rl, "--tasks", "arithmetic", "--limit", "2"]),
         ("export", ["scripts.export", "--run-dir", rl]),
         ("tflite", ["scripts.convert_to_tflite", "--checkpoint", f"{rl}/export/model.pkl"]),
@@ -154,3 +155,4 @@ def test_pretrain_sft_rl_eval_export_tflite_all_on_gs_with_nothing_written_outsi
     assert not list(gcs.cwd.iterdir()) and not list(gcs.tmp.iterdir())
     home = sorted(str(p.relative_to(gcs.home)) for p in gcs.home.rglob("*") if p.is_file())
     assert all(p.startswith(".cache/") for p in home), home
+    print(f"written outside the bucket: {home or 'nothing'} (in HOME; the working folder and TMPDIR are empty)")

@@ -543,7 +543,7 @@ class KaggleRunner(RemoteRunner):
         secrets = dict(secrets or {})
         if gcs_key is not None:
             try:
-                key = Path(gcs_key).read_text()
+                key = Path(gcs_key).expanduser().read_text()
                 kind = json.loads(key).get("type")
             except (OSError, ValueError, AttributeError) as e:
                 raise UserError(f"cannot read the service-account key {gcs_key} ({type(e).__name__}); pass the JSON "
