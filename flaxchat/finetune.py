@@ -109,8 +109,12 @@ def check_folders(base: str, run_dir: str) -> None:
     from flaxchat import paths
     from flaxchat.loading import resolve
     found = resolve(base)
-    if not paths.is_remote(run_dir) and not paths.is_remote(found.run_dir) and \
-            os.path.realpath(run_dir) == os.path.realpath(found.run_dir):
+
+    def same(a: str, b: str) -> bool:
+        if paths.is_remote(a) or paths.is_remote(b):
+            return a.rstrip("/") == b.rstrip("/")
+        return os.path.realpath(a) == os.path.realpath(b)
+    if same(run_dir, found.run_dir):
         raise UserError(f"--run-dir {run_dir} is the base model's own folder; give the stage a folder of its own "
                         "so the base checkpoint is never overwritten.")
 

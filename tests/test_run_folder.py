@@ -112,6 +112,8 @@ def test_a_missing_bucket_no_credentials_and_no_finished_step_are_one_sentence_e
                   "gs://bk/half/checkpoints holds only a half-written save (4)")
     _one_sentence(gcs.run("scripts.chat_cli", "--run-dir", "gs://bk/nothing-here", "-p", "hi"),
                   "no run folder or checkpoint at gs://bk/nothing-here")
+    _one_sentence(gcs.run("scripts.sft", "--base", "gs://bk/half", "--run-dir", "gs://bk/half/", "--steps", "1"),
+                  "--run-dir gs://bk/half/ is the base model's own folder")
     assert gcs.tree() == before  # the cut save is left as it was, for the trainer that resumes
     assert not list(gcs.cwd.iterdir()) and not list(gcs.tmp.iterdir())
 
