@@ -401,6 +401,10 @@ def test_recover_refuses_checkpoints_on_the_vm_disk_and_creates_nothing(shared_e
             "accept that.") in err
     code, _, err = cli(capsys, *base, "--spot", "--create", "--run-dir=runs/d4", "--run", cmd)
     assert code != 0 and "a spot VM is deleted when it is preempted, but the run folder runs/d4" in err
+    # Not told at all: the command is never searched for one; the recovery must know it before it starts.
+    code, _, err = cli(capsys, *base, "--preemptible", "--create", "--recover", cmd + " --run-dir=gs://bk/d4")
+    assert code != 0 and err.count("error:") == 1 and "so it must know the run folder before it starts: pass " \
+        "--run-dir gs://BUCKET/RUN" in err, err
     assert not [n for n in emulator.list_nodes() if n["name"] == "local-ckpt"]  # nothing created
 
 

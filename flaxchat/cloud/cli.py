@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     run_dir = args.run_dir
     # Before anything is created: checkpoints that a preemption would delete are refused here.
     if args.recover:
-        check_run_folder(config, run_dir, "--recover deletes and recreates a preempted or broken VM")
+        check_run_folder(config, run_dir, "--recover deletes and recreates a preempted or broken VM", required=True)
     elif args.create and (config.preemptible or config.spot) and command:
         check_run_folder(config, run_dir, f"a {'spot' if config.spot else 'preemptible'} VM is deleted when "
                                           "it is preempted")

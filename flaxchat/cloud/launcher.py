@@ -109,8 +109,14 @@ def survives_the_vm(run_dir: str | None) -> bool:
     return run_dir is None or run_dir.startswith("gs://")
 
 
-def check_run_folder(config: TPUConfig, run_dir: str | None, why: str) -> None:
-    """Refuse, in one sentence, checkpoints that a preemption or a recreate would silently delete."""
+def check_run_folder(config: TPUConfig, run_dir: str | None, why: str, required: bool = False) -> None:
+    """Refuse, in one sentence, checkpoints that a preemption or a recreate would silently delete.
+    `required`: the run folder must be told (recovery recreates the VM, and the new one must be set up
+    to reach the bucket before the stage has said where it writes)."""
+    if required and run_dir is None and not config.allow_local_checkpoints:
+        raise UserError(f"{why}, so it must know the run folder before it starts: pass --run-dir gs://BUCKET/RUN "
+                        "(run_dir= from Python); it is given to the stage as its own --run-dir, and its COMPLETE "
+                        "marker ends the recovery.")
     if survives_the_vm(run_dir) or config.allow_local_checkpoints:
         return
     raise UserError(f"{why}, but the run folder {run_dir} is on the VM's own disk, which a preemption or "
@@ -664,7 +670,7 @@ class TPULauncher(RemoteRunner):
         recovery for pretraining, SFT and RL alike (a finished stage is never started again).
         Refuses a run folder on the VM's disk (a recreate would lose it) unless allow_local_checkpoints."""
         policy = policy or rec.Policy()
-        check_run_folder(self.config, run_dir, "--recover deletes and recreates a preempted or broken VM")
+        check_run_folder(self.config, run_dir, "--recover deletes and recreates a preempted or broken VM", required=True)
         clock, sleep = clock or self.clock, sleep or self.sleep
         prev = self.remembered().get("run") or {}
         # Attach to the same command if it is already going; "" = none of the workers runs it yet.
