@@ -155,3 +155,14 @@ def test_the_key_reaches_the_job_as_a_private_file_from_the_runner_or_the_notebo
         assert Path(path).read_text() == key and oct(os.stat(path).st_mode & 0o777) == "0o600"
         assert not str(path).startswith(str(tmp_path)) and not upload.exists()
         assert kernel_side.GCS_KEY_ENV in doc["secret_keys"] and doc["env"]["A"] == "1"
+
+
+def test_pipeline_flags_from_the_command_line_become_the_stage_s_flags():
+    """`--flag KEY=VALUE` of `python -m flaxchat.remote.kaggle --pipeline`: true/false are switches
+    (`--flag export=false` once reached the stage as `--export=False`, which it refused)."""
+    from flaxchat.remote.__main__ import _flags
+    from flaxchat.remote.kaggle import pipeline_argv
+    flags = _flags(["save_every=500", "export=false", "fresh=True", "data=gs://b/fineweb/", "lr-batch-scaling=auto"])
+    assert pipeline_argv(20, -1, "gs://b/d20", flags)[1:] == [
+        "scripts.run_tinystories", "--depth=20", "--steps=-1", "--run-dir=gs://b/d20", "--save-every=500",
+        "--no-export", "--fresh", "--data=gs://b/fineweb/", "--lr-batch-scaling=auto"]

@@ -97,13 +97,15 @@ def _raise_if_failed(res: RunResult, what: str) -> None:
         raise RemoteFailed(f"{what} failed ({detail.rstrip('.')}).")
 
 
-def _flags(items: list[str]) -> dict[str, str]:
-    flags = {}
+def _flags(items: list[str]) -> dict[str, str | bool]:
+    """--flag KEY=VALUE items -> run_pipeline's keywords; true/false are a switch (export=false: --no-export)."""
+    flags: dict[str, str | bool] = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise UserError(f"--flag {item!r} is not KEY=VALUE (e.g. save_every=500).")
-        flags[key.strip().lstrip("-").replace("-", "_")] = value
+        switch = {"true": True, "false": False}.get(value.strip().lower())
+        flags[key.strip().lstrip("-").replace("-", "_")] = value if switch is None else switch
     return flags
 
 
