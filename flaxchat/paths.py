@@ -173,7 +173,7 @@ def _remote(path: str, what: str, fn: Callable, timeout: float | None = None):
             return fn(fs, inner)
         except FileNotFoundError:
             # gcsfs answers a write into a bucket that is not there with a 404, i.e. this error.
-            if what in _WRITES:
+            if what == "write":
                 raise UserError(f"cannot {what} {path}: the bucket {bucket_of(path)} does not exist (or these "
                                 "credentials may not see it); create it (`gcloud storage buckets create "
                                 f"{bucket_of(path)}`) or check the name") from None
