@@ -16,8 +16,9 @@ that --create made is remembered per project (~/.flaxchat/launcher.json), so lat
 --project. The run folder is told to the launcher (`--run-dir`, `run_dir=`): it is passed to the
 stage as its own --run-dir flag, and its COMPLETE marker (`flaxchat.paths.RunFolder`) is what --wait
 and --recover stop at, for every stage (pretraining, SFT, RL) alike; the command is never parsed.
-Without it, the launcher takes the marker the stage names in its progress file. What each kind of trouble looks like, and what the launcher does about it, is in
-docs/deployment.md ("What happens when...").
+Without it, --wait takes the marker the stage names in its progress file (--recover needs it).
+What each kind of trouble looks like, and what the launcher does about it, is in docs/deployment.md
+("What happens when...").
 """
 
 from __future__ import annotations
