@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,11 +59,12 @@ def world(tmp_path_factory):
     (site / "sitecustomize.py").write_text("import flaxchat_rehearsal_bucket as b\nb.install()\n")
     key = base / "laptop" / "sa-key.json"
     key.parent.mkdir()
+    secret = f"not-a-real-key-{uuid.uuid4().hex}"  # made here, so that not even this file (uploaded too) holds it
     key.write_text(json.dumps({"type": "service_account", "client_email": "trainer@proj.iam.gserviceaccount.com",
-                               "private_key": "-----BEGIN PRIVATE KEY-----\nnot-a-real-key-5c1e\n-----END PRIVATE KEY-----\n"}))
+                               "private_key": f"-----BEGIN PRIVATE KEY-----\n{secret}\n-----END PRIVATE KEY-----\n"}))
     env = {"PYTHONPATH": str(site), "FLAXCHAT_REHEARSAL_BUCKETS": str(buckets), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **cache_env()}  # the reference's one device
-    return SimpleNamespace(base=base, venv=venv, repo=repo, buckets=buckets, key=key, env=env)
+    return SimpleNamespace(base=base, venv=venv, repo=repo, buckets=buckets, key=key, secret=secret, env=env)
 
 
 def _session(world, name: str):
@@ -131,8 +133,8 @@ def test_a_session_ended_mid_run_is_resumed_from_the_bucket_by_the_next_to_the_s
         assert f"resumed from step {saved[-1]} in {run_dir}/checkpoints" in res.stdout, res.stdout[-3000:]
         assert json.loads((folder / "COMPLETE").read_text())["step"] == STEPS
         # The key reached the job as a file, never as text in its log or on the server's disk.
-        assert "not-a-real-key-5c1e" not in res.stdout
-        assert not [p for p in srv2.root.rglob("*") if p.is_file() and b"not-a-real-key-5c1e" in p.read_bytes()]
+        assert world.secret not in res.stdout
+        assert not [p for p in srv2.root.rglob("*") if p.is_file() and world.secret.encode() in p.read_bytes()]
     finally:
         runner2.close()
         srv2.stop()
