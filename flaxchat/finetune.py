@@ -14,6 +14,7 @@ and the chat scripts open the result like any run.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 from flaxchat.errors import UserError
@@ -61,9 +62,11 @@ class Stage:
     run_dir: str
     base_lrs: dict  # the pretraining LRs this stage scales; saved, so that the next stage reads them too
 
-    def path(self, *parts: str) -> str:
-        from flaxchat import paths
-        return paths.join(self.run_dir, *parts)
+    @property
+    def folder(self):
+        """This stage's run folder (`flaxchat.paths.RunFolder`): where each file it writes goes."""
+        from flaxchat.paths import RunFolder
+        return RunFolder(self.run_dir)
 
     def save(self, step: int, **meta) -> None:
         self.checkpointer.save(step, self.model, self.optimizer,
@@ -106,7 +109,12 @@ def check_folders(base: str, run_dir: str) -> None:
     from flaxchat import paths
     from flaxchat.loading import resolve
     found = resolve(base)
-    if not paths.is_remote(run_dir) and paths.absolute(run_dir) == str(found.run_dir.resolve()):
+
+    def same(a: str, b: str) -> bool:
+        if paths.is_remote(a) or paths.is_remote(b):
+            return a.rstrip("/") == b.rstrip("/")
+        return os.path.realpath(a) == os.path.realpath(b)
+    if same(run_dir, found.run_dir):
         raise UserError(f"--run-dir {run_dir} is the base model's own folder; give the stage a folder of its own "
                         "so the base checkpoint is never overwritten.")
 
@@ -148,14 +156,14 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     paths.check_writable(run_dir)
     compute = compute_init(dtype)
     cfg, tokenizer, base_meta = read_run(base)
-    ckpt_dir = paths.join(run_dir, "checkpoints")
+    ckpt_dir = paths.RunFolder(run_dir).checkpoints
     checkpointer, resume, meta = open_checkpoints(run_dir, fresh=fresh, keep=keep, is_main=compute.is_main,
                                                   log=log, name=name)
     if meta is not None and GPTConfig.from_dict(meta["model_config"]) != cfg:
         raise UserError(f"{run_dir} holds a checkpoint of a different model than {base}; "
                         "use --fresh or another --run-dir.")
     if compute.is_main:
-        with paths.local_copy(paths.join(run_dir, "tokenizer")) as local:
+        with paths.local_copy(paths.RunFolder(run_dir).tokenizer) as local:
             tokenizer.save(local)
 
     # --- optimizer: the pretraining LRs x lr_frac, chat_sft's momentum, no weight decay schedule --
@@ -180,7 +188,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
         log(f"resumed from step {step} in {ckpt_dir}")
     else:
         found = resolve(base)
-        base_ckpt = ckpt.Checkpointer(str(found.checkpoints), max_to_keep=None, async_save=False)
+        base_ckpt = ckpt.Checkpointer(found.checkpoints, max_to_keep=None, async_save=False)
         try:
             at = found.step if found.step is not None else base_ckpt.latest_step()
             if optim.from_base_optimizer and base_meta.get("has_optimizer", True):
@@ -199,7 +207,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     shown = ", ".join(f"{k} {v:g}" for k, v in lrs.items() if k != "weight_decay")
     log(f"{name}: {layout} over {compute.device_count} device(s); LRs {shown} x {optim.lr_frac}; "
         f"weight decay {optim.weight_decay:g}")
-    progress = Progress(name, steps=steps, process=compute.process_index)
+    progress = Progress(name, steps=steps, process=compute.process_index, run_dir=run_dir)
     progress.update(step, force=True)
     return Stage(compute, model, tokenizer, optimizer, schedule, checkpointer, progress, step, meta, base_meta,
                  run_dir, lrs)

@@ -1,9 +1,11 @@
 """Load a trained model and its tokenizer for inference (the chat scripts and the benchmarks).
 
 A model is named by any of: a run folder (`runs/x`, holding `checkpoints/` and `tokenizer/`), its
-checkpoints folder (`runs/x/checkpoints`), or one step of it (`runs/x/checkpoints/1000`). The latest
-step is used unless one is given. `save_run` writes the same layout, so a test or a conversion can
-make a folder the chat scripts open.
+checkpoints folder (`runs/x/checkpoints`), or one step of it (`runs/x/checkpoints/1000`), local or
+`gs://` (the layout is `flaxchat.paths.RunFolder`'s). The latest step is used unless one is given.
+From a bucket only what is needed is read: one listing per level, the step's arrays (Orbax reads
+them straight from the bucket), the tokenizer's few files. `save_run` writes the same layout, so a
+test or a conversion can make a folder the chat scripts open.
 """
 
 from __future__ import annotations
@@ -12,64 +14,71 @@ import dataclasses
 import os
 from pathlib import Path
 
+from flaxchat import paths
 from flaxchat.errors import UserError
+from flaxchat.paths import RunFolder
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPaths:
-    checkpoints: Path  # the folder of step folders
+    checkpoints: str  # the folder of step folders
     step: int | None  # None: the latest
-    run_dir: Path  # where tokenizer/ normally lives
+    run_dir: str  # where tokenizer/ normally lives
 
 
-def _is_step_dir(p: Path) -> bool:
-    return p.is_dir() and p.name.isdigit() and (p / "meta").exists()
+def _missing(where: str) -> UserError:
+    return paths.missing_bucket(where) or UserError(f"no run folder or checkpoint at {where}; pass a run folder made by "
+                     "`python -m scripts.run_tinystories --run-dir DIR` (or its checkpoints/<step> folder).")
 
 
 def resolve(path: str | os.PathLike, step: int | None = None) -> RunPaths:
-    """Which checkpoints folder and step a user's path means; a UserError if it names none."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"no run folder or checkpoint at {p}; pass a run folder made by "
-                        "`python -m scripts.run_tinystories --run-dir DIR` (or its checkpoints/<step> folder).")
-    if _is_step_dir(p):
-        if step is not None and step != int(p.name):
-            raise UserError(f"{p} is step {p.name} but --step {step} was asked for; pass one or the other.")
-        return RunPaths(p.parent, int(p.name), p.parent.parent)
-    if (p / "checkpoints").is_dir():
-        return RunPaths(p / "checkpoints", step, p)
-    if p.is_dir() and any(_is_step_dir(c) for c in p.iterdir()):
-        return RunPaths(p, step, p.parent)
-    raise UserError(f"{p} holds no checkpoint (no checkpoints/<step>/ folder); train one first or pass another folder.")
+    """Which checkpoints folder and step a user's path means (local or gs://); a UserError if it names none."""
+    where = str(path)
+    where = where.rstrip("/") if paths.is_remote(where) else os.path.expanduser(where)
+    if not paths.exists(where):
+        raise _missing(where)
+    if RunFolder.is_step(where):
+        name = int(paths.basename(where))
+        if step is not None and step != name:
+            raise UserError(f"{where} is step {name} but --step {step} was asked for; pass one or the other.")
+        return RunPaths(paths.parent(where), name, paths.parent(paths.parent(where)))
+    run = RunFolder(where)
+    if paths.isdir(run.checkpoints):
+        return RunPaths(run.checkpoints, step, where)
+    if paths.isdir(where) and any(RunFolder.is_step(paths.join(where, n)) for n in paths.listdirs(where)):
+        return RunPaths(where, step, paths.parent(where))
+    raise UserError(f"{where} holds no checkpoint (no checkpoints/<step>/ folder); train one first or pass another folder.")
 
 
-def _tokenizer_dir(paths: RunPaths, meta: dict) -> Path:
-    own = paths.run_dir / "tokenizer"
-    if (own / "tokenizer.json").is_file():
+def _tokenizer_dir(found: RunPaths, meta: dict) -> str:
+    from flaxchat.tokenizer import FILENAME
+    own = RunFolder(found.run_dir).tokenizer
+    if paths.exists(paths.join(own, FILENAME)):
         return own
     saved = (meta.get("train_config") or {}).get("tokenizer_dir")
-    if saved and (Path(saved) / "tokenizer.json").is_file():
-        return Path(saved)
-    raise UserError(f"no tokenizer found for {paths.run_dir} (looked in {own}"
+    if saved and paths.exists(paths.join(saved, FILENAME)):
+        return saved
+    raise UserError(f"no tokenizer found for {found.run_dir} (looked in {own}"
                     f"{' and ' + saved if saved else ''}); copy the run's tokenizer/ folder next to checkpoints/.")
 
 
-def _checked_meta(ckpt, paths: RunPaths):
+def _checked_meta(ckpt, found: RunPaths):
     """(meta, model config) of the asked step, or one sentence saying why there is none."""
     from flaxchat.config import GPTConfig
     steps = ckpt.all_steps()
-    if paths.step is not None and paths.step not in steps:
-        raise UserError(f"step {paths.step} is not in {paths.checkpoints} (steps there: "
+    if found.step is not None and found.step not in steps:
+        raise UserError(f"step {found.step} is not in {found.checkpoints} (steps there: "
                         f"{', '.join(map(str, sorted(steps))) or 'none'}).")
-    meta = ckpt.read_meta(paths.step)
+    meta = ckpt.read_meta(found.step)
     if "model_config" not in meta:
-        raise UserError(f"the checkpoint in {paths.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
+        raise UserError(f"the checkpoint in {found.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
     return meta, GPTConfig.from_dict(meta["model_config"])
 
 
-def _matching_tokenizer(paths: RunPaths, meta: dict, cfg):
+def _matching_tokenizer(found: RunPaths, meta: dict, cfg):
     from flaxchat.tokenizer import Tokenizer
-    tokenizer = Tokenizer.load(_tokenizer_dir(paths, meta))
+    with paths.local_copy(_tokenizer_dir(found, meta), upload=False) as local:  # a bucket's: its few files
+        tokenizer = Tokenizer.load(local)
     if tokenizer.vocab_size != cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size}; "
                         "they come from different runs.")
@@ -79,13 +88,13 @@ def _matching_tokenizer(paths: RunPaths, meta: dict, cfg):
 def read_run(path: str | os.PathLike, step: int | None = None):
     """(model config, tokenizer, meta) of a run, without loading its weights."""
     from flaxchat.checkpoint import Checkpointer
-    paths = resolve(path, step)
-    ckpt = Checkpointer(str(paths.checkpoints), max_to_keep=None, async_save=False)
+    found = resolve(path, step)
+    ckpt = Checkpointer(found.checkpoints, max_to_keep=None, async_save=False)
     try:
-        meta, cfg = _checked_meta(ckpt, paths)
+        meta, cfg = _checked_meta(ckpt, found)
     finally:
         ckpt.close()
-    return cfg, _matching_tokenizer(paths, meta, cfg), meta
+    return cfg, _matching_tokenizer(found, meta, cfg), meta
 
 
 def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokenizer: bool = True):
@@ -97,35 +106,36 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
     from flaxchat.common import resolve_dtype
     from flaxchat.gpt import GPT
 
-    paths = resolve(path, step)
-    ckpt = Checkpointer(str(paths.checkpoints), max_to_keep=None, async_save=False)
+    found = resolve(path, step)
+    ckpt = Checkpointer(found.checkpoints, max_to_keep=None, async_save=False)
     try:
-        meta, cfg = _checked_meta(ckpt, paths)
+        meta, cfg = _checked_meta(ckpt, found)
         # Abstract parameters (shapes only): restoring fills them, so no time goes into a random
         # initialisation that is thrown away (~1 s per op-by-op init on a small CPU).
         # No mesh in context, whatever the caller has set (e.g. a notebook's jax.set_mesh): the
         # abstract arrays would carry its AbstractMesh, which Orbax cannot restore onto.
         with jax.set_mesh(None):
             model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
-            meta = ckpt.restore(model, step=paths.step)
+            meta = ckpt.restore(model, step=found.step)
     finally:
         ckpt.close()
-    tokenizer = _matching_tokenizer(paths, meta, cfg) if with_tokenizer else None
+    tokenizer = _matching_tokenizer(found, meta, cfg) if with_tokenizer else None
     return model, tokenizer, meta
 
 
-def save_run(run_dir: str | os.PathLike, model, tokenizer=None, step: int = 0, meta: dict | None = None) -> Path:
-    """Write `model` (and `tokenizer`) as a run folder that `load_model` opens."""
+def save_run(run_dir: str | os.PathLike, model, tokenizer=None, step: int = 0, meta: dict | None = None) -> Path | str:
+    """Write `model` (and `tokenizer`) as a run folder (local or gs://) that `load_model` opens."""
     from flaxchat.checkpoint import Checkpointer
-    run_dir = Path(run_dir)
-    ckpt = Checkpointer(str(run_dir / "checkpoints"), max_to_keep=None, async_save=False)
+    run = RunFolder(run_dir)
+    ckpt = Checkpointer(run.checkpoints, max_to_keep=None, async_save=False)
     try:
         ckpt.save(step, model, None, dict(meta or {}, model_config=model.config.to_dict()))
     finally:
         ckpt.close()
     if tokenizer is not None:
-        tokenizer.save(run_dir / "tokenizer")
-    return run_dir
+        with paths.local_copy(run.tokenizer) as local:
+            tokenizer.save(local)
+    return run.root if paths.is_remote(run.root) else Path(run.root)
 
 
 # --- chat helpers shared by scripts.chat_cli and scripts.chat_web ----------------------------------

@@ -13,6 +13,9 @@
     join(base, *parts)        `os.path.join` for local paths, `/`-joined for URLs
     absolute(path)            `os.path.abspath` for local paths, URLs as they are
     is_remote(path)           True for `scheme://...` other than `file://`
+    listdirs(path)            sorted names of the folders directly in a folder
+    RunFolder(root)           the run folder's layout: the one place its names are spelled
+
 
 Local paths go straight to the OS (the fast path and the one the tests use); URLs go through fsspec,
 which finds the implementation by scheme: `gs://` needs the `gcsfs` package. Remote listing and
@@ -139,6 +142,19 @@ def filesystem(path: str):
     return fs, str(path).split("://", 1)[1]
 
 
+def bucket_of(path: str) -> str:
+    """'gs://bucket' for 'gs://bucket/a/b': the part of a URL that must exist before anything is written."""
+    return f"{scheme(path)}://{str(path).split('://', 1)[1].lstrip('/').split('/', 1)[0]}"
+
+
+def missing_bucket(path: str) -> UserError | None:
+    """For a URL that was not found: the sentence to raise when its bucket is what is missing, else None."""
+    if not is_remote(path) or exists(bucket_of(path)):
+        return None
+    return UserError(f"the bucket {bucket_of(path)} does not exist (or these credentials may not see it); "
+                     f"check the name in {path}.")
+
+
 def _url(protocol: str, inner: str) -> str:
     # fsspec returns paths without the scheme (gcsfs: 'bucket/x'; the memory fs: '/bucket/x').
     return f"{protocol}://{inner.lstrip('/')}"
@@ -156,6 +172,11 @@ def _remote(path: str, what: str, fn: Callable, timeout: float | None = None):
         try:
             return fn(fs, inner)
         except FileNotFoundError:
+            # gcsfs answers a write into a bucket that is not there with a 404, i.e. this error.
+            if what == "write":
+                raise UserError(f"cannot {what} {path}: the bucket {bucket_of(path)} does not exist (or these "
+                                "credentials may not see it); create it (`gcloud storage buckets create "
+                                f"{bucket_of(path)}`) or check the name") from None
             raise
         except UserError:
             raise
@@ -188,6 +209,23 @@ def isdir(path: str) -> bool:
     if not is_remote(path):
         return os.path.isdir(_local(path))
     return _remote(path, "check", lambda fs, p: fs.isdir(p))
+
+
+def listdirs(path: str) -> list[str]:
+    """Sorted names (not paths) of the folders directly in folder `path`; [] when it does not exist.
+    On an object store a folder is a name prefix: one listing call, nothing below it is read."""
+    if not is_remote(path):
+        root = _local(path)
+        return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n))) if os.path.isdir(root) else []
+
+    def ls(fs, p):
+        try:
+            return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=True)
+                    if e.get("type") == "directory"]
+        except FileNotFoundError:
+            return []
+
+    return sorted(_remote(path, "list", ls))
 
 
 def listdir(path: str, recursive: bool = False) -> list[str]:
@@ -224,6 +262,13 @@ def makedirs(path: str) -> None:
         os.makedirs(_local(path), exist_ok=True)
     else:
         filesystem(path)  # still connect, so that missing credentials show before any work is done
+
+
+def size(path: str) -> int:
+    """Bytes in the file at `path`."""
+    if not is_remote(path):
+        return os.path.getsize(_local(path))
+    return int(_remote(path, "check", lambda fs, p: fs.size(p)))
 
 
 def read_bytes(path: str) -> bytes:
@@ -325,3 +370,114 @@ def local_copy(folder: str, upload: bool = True):
                     write_bytes(join(base, rel), data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the run folder ----------------------------------------------------------------------------------
+
+
+class RunFolder:
+    """The layout of a run folder, local or `gs://`: every module asks here for the path of what a
+    stage writes and the next stage, the launchers and the exporters read, so that the names below
+    are spelled nowhere else.
+
+        <root>/checkpoints/<step>/   Orbax steps of {model, optimizer, meta} (flaxchat.checkpoint)
+        <root>/tokenizer/            the tokenizer the model was trained with
+        <root>/config.json           the resolved configs of the run
+        <root>/metrics.jsonl         one JSON line per logged step (flaxchat.report.MetricsLog)
+        <root>/report.md, loss.png, samples.txt, eval.json
+        <root>/export/               model.pkl, weights.npz, model.stablehlo, tokenizer/ (scripts.export)
+        <root>/COMPLETE              written last, by process 0: the stage finished (what launchers wait for)
+    """
+
+    CHECKPOINTS = "checkpoints"
+    TOKENIZER = "tokenizer"
+    COMPLETE = "COMPLETE"
+    CONFIG = "config.json"
+    METRICS = "metrics.jsonl"
+    REPORT = "report.md"
+    LOSS_PLOT = "loss.png"
+    SAMPLES = "samples.txt"
+    EVAL = "eval.json"
+    EXPORT = "export"
+    # Orbax writes one sub-folder per item of a step; `meta` is the one every flaxchat step has.
+    STEP_META = "meta"
+
+    def __init__(self, root: str | os.PathLike):
+        root = str(root)
+        self.root = root.rstrip("/") if is_remote(root) else root
+
+    def __repr__(self) -> str:
+        return f"RunFolder({self.root!r})"
+
+    def __fspath__(self) -> str:
+        return self.root
+
+    def path(self, *parts: str) -> str:
+        return join(self.root, *parts)
+
+    @property
+    def checkpoints(self) -> str:
+        return self.path(self.CHECKPOINTS)
+
+    def step(self, step: int) -> str:
+        return self.path(self.CHECKPOINTS, str(step))
+
+    @property
+    def tokenizer(self) -> str:
+        return self.path(self.TOKENIZER)
+
+    @property
+    def complete(self) -> str:
+        return self.path(self.COMPLETE)
+
+    @property
+    def config(self) -> str:
+        return self.path(self.CONFIG)
+
+    @property
+    def metrics(self) -> str:
+        return self.path(self.METRICS)
+
+    @property
+    def report(self) -> str:
+        return self.path(self.REPORT)
+
+    @property
+    def loss_plot(self) -> str:
+        return self.path(self.LOSS_PLOT)
+
+    @property
+    def samples(self) -> str:
+        return self.path(self.SAMPLES)
+
+    @property
+    def eval(self) -> str:
+        return self.path(self.EVAL)
+
+    @property
+    def export(self) -> str:
+        return self.path(self.EXPORT)
+
+    @classmethod
+    def is_step(cls, folder: str) -> bool:
+        """Is `folder` one Orbax step of a flaxchat checkpoint (`checkpoints/<step>`, with its meta)?"""
+        name = str(folder).rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
+        return name.isdigit() and isdir(join(str(folder), cls.STEP_META))
+
+    @classmethod
+    def of_checkpoints(cls, checkpoints: str) -> "RunFolder":
+        """The run folder a checkpoints folder belongs to."""
+        return cls(parent(checkpoints))
+
+
+def parent(path: str) -> str:
+    """The folder holding `path` (`gs://b/run/x` -> `gs://b/run`)."""
+    path = str(path)
+    if is_remote(path):
+        head, _, _ = path.rstrip("/").rpartition("/")
+        return head if "://" in head and not head.endswith(":/") else path
+    return os.path.dirname(os.path.abspath(_local(path)))
+
+
+def basename(path: str) -> str:
+    return str(path).rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]

@@ -5,10 +5,13 @@ A supervisor (the pod worker `flaxchat/cloud/worker.py`, the Kaggle job wrapper)
 rewrites that file, atomically, after each optimizer step:
 
     {"schema": 1, "step": 120, "steps": 1000, "time": 1764579000.5, "pid": 4242, "process": 3,
-     "loss": 3.21, "tok_s": 12345.0, "stage": "pretrain"}
+     "loss": 3.21, "tok_s": 12345.0, "stage": "pretrain",
+     "run_dir": "gs://b/d24", "marker": "gs://b/d24/COMPLETE"}
 
 `time` is the wall clock of the last step, so "how long since this process made progress" is
-`now - time`: the liveness a supervisor needs. Only process 0 prints, so output is no heartbeat on
+`now - time`: the liveness a supervisor needs. `run_dir` and `marker` say where the stage writes and
+which file it writes last when it has finished (`flaxchat.paths.RunFolder`), so a supervisor that
+was not told the run folder learns it from the stage instead of parsing its command. Only process 0 prints, so output is no heartbeat on
 a pod; this file is, and it is never parsed out of a human-readable line. Without the variable the
 stage writes nothing (a laptop run has no supervisor). Writes are throttled to one a second: a
 step of a few milliseconds must not spend its time in the filesystem.
@@ -28,9 +31,13 @@ class Progress:
     """Writes the progress file named by $FLAXCHAT_PROGRESS_FILE (a no-op when it is unset)."""
 
     def __init__(self, stage: str, steps: int | None = None, process: int = 0, path: str | None = None,
-                 min_interval_s: float = 1.0, clock=time.time):
+                 min_interval_s: float = 1.0, clock=time.time, run_dir: str | None = None):
         self.path = path if path is not None else os.environ.get(ENV, "")
         self.stage, self.steps, self.process = stage, steps, process
+        self.where = {}
+        if run_dir:
+            from flaxchat.paths import RunFolder
+            self.where = {"run_dir": str(run_dir), "marker": RunFolder(run_dir).complete}
         self.min_interval_s, self.clock = min_interval_s, clock
         self._last_write = None
 
@@ -47,7 +54,7 @@ class Progress:
         if not force and self._last_write is not None and now - self._last_write < self.min_interval_s:
             return
         record = dict(schema=SCHEMA, stage=self.stage, step=int(step), steps=self.steps, time=now,
-                      pid=os.getpid(), process=self.process)
+                      pid=os.getpid(), process=self.process, **self.where)
         record.update({k: v for k, v in fields.items() if v is None or isinstance(v, (int, float, str))})
         tmp = f"{self.path}.tmp{os.getpid()}"
         try:

@@ -81,7 +81,7 @@ def open_checkpoints(run_dir: str, *, fresh: bool, keep: int, is_main: bool, log
     """(checkpointer, resume step or None, its meta or None) for `run_dir/checkpoints`."""
     from flaxchat import checkpoint as ckpt
     from flaxchat import paths
-    ckpt_dir = paths.join(run_dir, "checkpoints")
+    ckpt_dir = paths.RunFolder(run_dir).checkpoints
     if fresh and is_main:
         moved = ckpt.set_aside(ckpt_dir)
         if moved:
@@ -103,5 +103,5 @@ def finish(run_dir: str, is_main: bool, checkpointer, progress, step: int, summa
     if is_main:
         if report is not None:
             report()
-        write_json(paths.join(run_dir, "COMPLETE"), summary)
+        write_json(paths.RunFolder(run_dir).complete, summary)
     return summary

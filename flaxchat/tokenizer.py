@@ -288,7 +288,8 @@ def _parts(content: str | list[dict]) -> list[dict]:
 def get_default_tokenizer_dir() -> Path:
     """`$FLAXCHAT_BASE_DIR/tokenizer`, default `~/.cache/flaxchat/tokenizer`."""
     base = os.environ.get("FLAXCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flaxchat")
-    return Path(base) / "tokenizer"
+    from flaxchat.paths import RunFolder
+    return Path(base) / RunFolder.TOKENIZER  # the same name as in a run folder
 
 
 def train_or_load(directory: str | os.PathLike | None, texts_fn: Callable[[], Iterable[str]], vocab_size: int,

@@ -18,7 +18,7 @@ from flaxchat.errors import UserError, cli_main
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m scripts.chat_cli", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run-dir", "-i", required=True, help="run folder, its checkpoints/ folder, or a checkpoints/<step> folder")
+    p.add_argument("--run-dir", "-i", required=True, help="run folder (local or gs://), its checkpoints/ folder, or a checkpoints/<step> folder")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit")
     p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 for greedy (default: 0.6)")

@@ -246,7 +246,7 @@ async def _reply_events(pool: SlotPool, engine, tokenizer, prompt, sampling, str
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m scripts.chat_web", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run-dir", "-i", required=True, help="run folder, its checkpoints/ folder, or a checkpoints/<step> folder")
+    p.add_argument("--run-dir", "-i", required=True, help="run folder (local or gs://), its checkpoints/ folder, or a checkpoints/<step> folder")
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)

@@ -2,8 +2,10 @@
 
     python -m scripts.convert_to_tflite --checkpoint=exports/model.pkl --output=exports/model.tflite
     python -m scripts.convert_to_tflite --checkpoint=runs/tinystories --quantize      # int8 weights
+    python -m scripts.convert_to_tflite --checkpoint=gs://my-bucket/d20/export/model.pkl
 
---checkpoint takes a model.pkl, a weights.npz or a training run folder. The file has three
+--checkpoint takes a model.pkl, a weights.npz or a training run folder, local or gs:// (from a
+bucket only that file, or the run's latest step, is read). The file has three
 signatures: `forward` (fixed length), `prefill` and `decode` (one token, explicit KV cache); see
 flaxchat/export/tflite.py and docs/export.md. After writing it, the script checks it against JAX
 (max logit error, top-1 agreement, a greedy generation token for token) unless --no-verify.
@@ -12,7 +14,6 @@ Needs the optional converter: pip install 'flaxchat[export]'.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -23,9 +24,10 @@ from flaxchat.errors import cli_main
 def parse_args(argv):
     p = ArgumentParser(prog="python -m scripts.convert_to_tflite", description=__doc__,
                        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="model.pkl, weights.npz or a run folder")
+    p.add_argument("--checkpoint", required=True, help="model.pkl, weights.npz or a run folder (local or gs://)")
     p.add_argument("--output", default=None,
-                   help="the .tflite to write (default: model.tflite or model_int8.tflite beside the checkpoint)")
+                   help="the .tflite to write, local or gs:// (default: model.tflite or model_int8.tflite beside the "
+                        "checkpoint: in the run folder for a run folder, beside the file for a .pkl/.npz)")
     p.add_argument("--quantize", action="store_true", help="int8 dynamic-range weights (about 4x smaller)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="forward length and KV-cache length (default: the model's context)")
@@ -36,8 +38,9 @@ def parse_args(argv):
 
 
 def default_output(checkpoint: str, quantize: bool) -> str:
-    base = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(os.path.abspath(checkpoint))
-    return os.path.join(base, "model_int8.tflite" if quantize else "model.tflite")
+    from flaxchat import paths
+    base = checkpoint if paths.isdir(checkpoint) else paths.parent(checkpoint)
+    return paths.join(base, "model_int8.tflite" if quantize else "model.tflite")
 
 
 def main(argv=None) -> int:
@@ -57,12 +60,14 @@ def main(argv=None) -> int:
           f"StableHLO export {info['export_s']:.1f}s, conversion {info['convert_s']:.1f}s"
           + (f", quantization {info['quantize_s']:.1f}s {info['quantization']}" if args.quantize else ""))
     if args.verify:
-        for key, value in verify(model, path).items():
+        from flaxchat import paths
+        lite = path if not paths.is_remote(path) else paths.read_bytes(path)  # the interpreter takes bytes too
+        for key, value in verify(model, lite).items():
             print(f"verify {key}: {value}")
     return 0
 
 
-def verify(model, path: str, max_new: int = 32) -> dict:
+def verify(model, path: str | bytes, max_new: int = 32) -> dict:
     """Compare the .tflite with the JAX model on a random sequence and a greedy generation."""
     import jax.numpy as jnp
     import numpy as np

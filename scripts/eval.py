@@ -7,16 +7,16 @@
 
 `all` means the built-in chat tasks (chat, spelling, spell, arithmetic) and the built-in CORE set
 stories_cloze; dataset tasks read files and are named `name:PATH`. Prints a table, writes
-<run>/eval.json and appends an "Evaluation" section to <run>/report.md.
+<run>/eval.json and appends an "Evaluation" section to <run>/report.md (`--model` may be gs://).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
+from flaxchat import paths
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
 from tasks import split_spec
@@ -28,7 +28,7 @@ FILE_TASKS = ("smoltalk", "mmlu", "arc", "gsm8k", "humaneval")  # need name:PATH
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m scripts.eval", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 1)[1], formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("--model", "-i", required=True, help="run folder, its checkpoints/ folder, or a checkpoints/<step> folder")
+    p.add_argument("--model", "-i", required=True, help="run folder (local or gs://), its checkpoints/ folder, or a checkpoints/<step> folder")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--tasks", default="all", help="'all', 'none', or a comma list of tasks: name or name:PATH (default: all)")
     p.add_argument("--core", default="", help="comma list of CORE sets: stories_cloze or name:PATH (added to the tasks)")
@@ -158,12 +158,13 @@ def run(args) -> dict:
         if r.get("too_long"):
             print(f"note: {r['too_long']} of the {r['n']} {r['task']} prompts leave no room in the model's "
                   f"context of {model.config.sequence_len} tokens; they count as wrong.")
-    results = dict(model=os.path.abspath(args.model), step=meta.get("step"), split=args.split, limit=args.limit,
+    results = dict(model=paths.absolute(args.model), step=meta.get("step"), split=args.split, limit=args.limit,
                    generation=generation, results=rows, core=summary["value"] if summary else None,
                    seconds=time.time() - t_start, time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    from flaxchat.config import save_json
-    save_json(os.path.join(run_dir, "eval.json"), results)
-    append_report(os.path.join(run_dir, "report.md"), results, E.markdown_table(rows), write_report)
+    from flaxchat.report import write_json
+    run = paths.RunFolder(run_dir)  # local or gs://: the model's own folder, as the stages write theirs
+    write_json(run.eval, results)
+    append_report(run.report, results, E.markdown_table(rows), write_report)
     return results
 
 
@@ -172,11 +173,11 @@ def append_report(path: str, results: dict, table: str, write_report) -> None:
     heading = f"Evaluation (step {results['step']}, {results['time']})"
     body = (f"split {results['split']}, limit {results['limit'] or 'none'}, "
             f"generation {json.dumps(results['generation'])}\n\n{table}")
-    if not os.path.exists(path):
+    if not paths.exists(path):
         write_report(path, title="flaxchat report", sections=[(heading, body)])
         return
-    with open(path, "a") as f:
-        f.write(f"\n## {heading}\n\n{body}\n")
+    # rewritten whole, not appended: an object store has no append, and a report is a few KB
+    paths.write_text(path, paths.read_text(path) + f"\n## {heading}\n\n{body}\n")
 
 
 if __name__ == "__main__":

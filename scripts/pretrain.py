@@ -133,7 +133,8 @@ def _run(tc: TrainConfig) -> dict:
     train_src = resolve_source(tc.data, split="train", seed=tc.seed)
     val_src = resolve_source(tc.data, split="val", seed=tc.seed)
     print0(f"data: {train_src.name}")
-    tok_dir = tc.tokenizer_dir or paths.join(tc.run_dir, "tokenizer")
+    run = paths.RunFolder(tc.run_dir)  # the layout of what this stage writes
+    tok_dir = tc.tokenizer_dir or run.tokenizer
     # Process 0 trains (or loads) the tokenizer; the others load what it saved. The tokenizer
     # speaks to local files only: a gs:// folder is mirrored through a local copy.
     if compute.is_main:
@@ -148,7 +149,7 @@ def _run(tc: TrainConfig) -> dict:
     token_bytes = jnp.asarray(tokenizer.token_bytes())
 
     # --- checkpoint: resume or start (the skeleton every stage shares: flaxchat.stage) -----------
-    ckpt_dir = paths.join(tc.run_dir, "checkpoints")
+    ckpt_dir = run.checkpoints
     checkpointer, resume_step, meta = open_checkpoints(tc.run_dir, fresh=tc.fresh, keep=tc.keep_checkpoints,
                                                        is_main=compute.is_main, log=print0, name="pretrain")
 
@@ -276,16 +277,16 @@ def _run(tc: TrainConfig) -> dict:
         outs = sample(model, prompts, max_new=min(120, T - 8), seed=tc.seed + step)
         return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
 
-    metrics = MetricsLog(paths.join(tc.run_dir, "metrics.jsonl"))
-    complete_marker = paths.join(tc.run_dir, "COMPLETE")
+    metrics = MetricsLog(run.metrics)
+    complete_marker = run.complete
     if compute.is_main and step < steps and paths.exists(complete_marker):
         paths.remove(complete_marker)  # our own marker of an earlier, shorter run: this one is not done
     if compute.is_main:
-        write_json(paths.join(tc.run_dir, "config.json"), dict(model=model_cfg.to_dict(), train=tc.to_dict(),
+        write_json(run.config, dict(model=model_cfg.to_dict(), train=tc.to_dict(),
                   steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
 
     # --- training loop ----------------------------------------------------------------------------
-    progress = Progress("pretrain", steps=steps, process=compute.process_index)
+    progress = Progress("pretrain", steps=steps, process=compute.process_index, run_dir=tc.run_dir)
     progress.update(step, force=True)
     peak = device_peak_flops(compute) * compute.device_count
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
@@ -348,10 +349,10 @@ def _run(tc: TrainConfig) -> dict:
             print0("\n--- sampled stories ---")
             for s in samples:
                 print0(s + "\n")
-            paths.write_text(paths.join(tc.run_dir, "samples.txt"), "\n\n".join(samples) + "\n")
+            paths.write_text(run.samples, "\n\n".join(samples) + "\n")
         entries = metrics.read()
-        png = plot_losses(entries, paths.join(tc.run_dir, "loss.png"), f"depth {tc.depth} on {train_src.name}")
-        write_report(paths.join(tc.run_dir, "report.md"), title=f"flaxchat pretraining: depth {tc.depth}", sections=[
+        png = plot_losses(entries, run.loss_plot, f"depth {tc.depth} on {train_src.name}")
+        write_report(run.report, title=f"flaxchat pretraining: depth {tc.depth}", sections=[
             ("Run", {"data": train_src.name, "steps": steps, "tokens/step": total, "grad accumulation": grad_accum,
                      "devices": f"{compute.device_count} {compute.backend} in {compute.process_count} process(es)",
                      "parameters": f"{n_params:,}", "final loss (smoothed)": f"{smooth:.4f}" if smooth else "-",
@@ -365,7 +366,7 @@ def _run(tc: TrainConfig) -> dict:
     finish(tc.run_dir, compute.is_main, checkpointer, progress, step, summary, report)
     bpb = f"val bpb {last_bpb:.4f}" if last_bpb is not None else "no validation (--eval-every=0)"
     print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {bpb}; "
-           f"report {paths.join(tc.run_dir, 'report.md')}")
+           f"report {run.report}")
     summary["samples"] = samples
     return summary
 

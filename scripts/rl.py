@@ -159,7 +159,7 @@ def _run(cfg: RLConfig) -> dict:
         return inputs, targets, policy_weights(targets, adv), rewards
 
     # --- loop ---------------------------------------------------------------------------------------
-    metrics = MetricsLog(stage.path("metrics.jsonl"))
+    metrics = MetricsLog(stage.folder.metrics)
     step, t_loop = stage.step, time.time()
     evals = dict((stage.meta or {}).get("evals", {}))  # step -> pass@1, carried across resumes
     if "0" not in evals:
@@ -204,9 +204,9 @@ def _run(cfg: RLConfig) -> dict:
                    train_seconds=time.time() - t_loop, run_dir=paths.absolute(cfg.run_dir))
 
     def report():
-        png = plot_losses(metrics.read(), stage.path("loss.png"), f"RL on {cfg.task} (loss = 1 - reward)",
+        png = plot_losses(metrics.read(), stage.folder.loss_plot, f"RL on {cfg.task} (loss = 1 - reward)",
                           val_key="pass_at_1", val_label="held-out pass@1")
-        write_report(stage.path("report.md"), title="flaxchat RL", sections=[
+        write_report(stage.folder.report, title="flaxchat RL", sections=[
             ("Result", {"pass@1 before (the base model)": f"{100 * before:.1f}%", "pass@1 after": f"{100 * after:.1f}%",
                         "held-out problems": min(cfg.eval_examples, len(val_task)),
                         "time": fmt_duration(time.time() - t_start)}),

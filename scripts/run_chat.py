@@ -38,6 +38,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from flaxchat.config import save_json
+    from flaxchat.paths import RunFolder
     from flaxchat.report import write_report
     from scripts import eval as evaluate
     from scripts import pretrain, rl, run_tinystories, sft
@@ -76,7 +77,8 @@ def main(argv=None) -> int:
                    rl_pass_at_1=[r["pass_at_1_before"], r["pass_at_1_after"]],
                    eval_sft=ev_sft["results"], eval_rl=ev_rl["results"])
     save_json(os.path.join(args.run_dir, "summary.json"), summary)
-    write_report(os.path.join(args.run_dir, "report.md"), title="flaxchat: the offline chat chain", sections=[
+    report = RunFolder(args.run_dir).report
+    write_report(report, title="flaxchat: the offline chat chain", sections=[
         ("Stages", {"pretraining val bpb": f"{pre.get('val_bpb') or 0:.4f}",
                     "SFT val loss": f"{s.get('val_loss') or 0:.4f}",
                     "RL pass@1 (held-out arithmetic)": f"{100 * r['pass_at_1_before']:.1f}% -> "
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         ("RL model", table(ev_rl)),
         ("SFT replies (greedy)", [f"{p} -> {t!r}" for p, t in (s.get("replies") or {}).items()]),
     ])
-    print(f"done: report {os.path.join(args.run_dir, 'report.md')}", flush=True)
+    print(f"done: report {report}", flush=True)
     return 0
 
 

@@ -50,9 +50,11 @@ def main(argv=None) -> int:
     summary = pretrain.run(cfg)
     if export and summary.get("is_main", True):
         from flaxchat.export import export_run
-        paths = export_run(cfg.run_dir, tokenizer_dir=cfg.tokenizer_dir or None)
-        print(f"exported: {', '.join(os.path.relpath(p, cfg.run_dir) for p in paths.values())} "
-              f"in {os.path.join(cfg.run_dir, 'export')}", flush=True)
+        from flaxchat.paths import RunFolder
+        files = export_run(cfg.run_dir, tokenizer_dir=cfg.tokenizer_dir or None)
+        out = RunFolder(cfg.run_dir).export
+        print(f"exported: {', '.join(p[len(out):].lstrip('/' + os.sep) for p in files.values())} in {out}",
+              flush=True)
     return 0
 
 

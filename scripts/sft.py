@@ -172,7 +172,7 @@ def _run(cfg: SFTConfig) -> dict:
                    stage="sft")
 
     # --- training loop ---------------------------------------------------------------------------
-    metrics = MetricsLog(stage.path("metrics.jsonl"))
+    metrics = MetricsLog(stage.folder.metrics)
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
     t_window, tokens_window = time.time(), 0
     step_fn = StepLoop(model, stage.optimizer)  # model and optimizer hold its arrays after step_fn.sync()
@@ -219,9 +219,9 @@ def _run(cfg: SFTConfig) -> dict:
     def report():
         for prompt, reply in replies.items():
             print0(f"> {prompt}\n{reply}\n")
-        png = plot_losses(metrics.read(), stage.path("loss.png"), f"SFT on {cfg.mix}",
+        png = plot_losses(metrics.read(), stage.folder.loss_plot, f"SFT on {cfg.mix}",
                           val_key="val_loss", val_label="val loss (nats/token)")
-        write_report(stage.path("report.md"), title="flaxchat SFT", sections=[
+        write_report(stage.folder.report, title="flaxchat SFT", sections=[
             ("Run", {"base": paths.absolute(cfg.base), "mix": cfg.mix, "conversations": len(train_set),
                      "steps": steps, "rows per step": rows * cfg.grad_accum, "sequence": T,
                      "val loss": f"{first_val:.4f} -> {last_val:.4f}" if last_val is not None else "- (--eval-every=0)",
@@ -232,7 +232,7 @@ def _run(cfg: SFTConfig) -> dict:
         ])
         val = f"val loss {last_val:.4f}" if last_val is not None else "no validation (--eval-every=0)"
         print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {val}; "
-               f"report {stage.path('report.md')}")
+               f"report {stage.folder.report}")
 
     stage.finish(summary, report)
     return dict(summary, replies=replies)

@@ -105,6 +105,7 @@ def emu(tmp_path, monkeypatch):
     monkeypatch.setenv(emulator.DELAY_ENV, "0")
     shim = emulator.install_shim(str(tmp_path / "bin"))
     monkeypatch.setenv("PATH", os.path.dirname(shim) + os.pathsep + os.environ["PATH"])
+    os.makedirs(os.path.join(emulator.buckets_root(), "bk"), exist_ok=True)  # the tests' bucket
     return tmp_path
 
 
@@ -363,6 +364,9 @@ def test_gs_is_a_folder_beside_the_vms_and_gcloud_storage_lists_it(emu):
             "((10, 'commit_success.txt'), (10, 'meta'), (20, 'meta'))]")
     out = _ssh(f"{sys.executable} -c \"{code}\"")
     assert out.returncode == 0, out.stderr
+    missing = "import fsspec; fsspec.filesystem('gs').pipe('gs://no-such-bucket/run/x', b'x')"
+    out = _ssh(f"{sys.executable} -c \"{missing}\"")  # a bucket never created: gcsfs's 404
+    assert out.returncode != 0 and "FileNotFoundError" in out.stderr and "bucket does not exist" in out.stderr
     # ... into the bucket folder, outside every VM, so deleting the VM keeps it.
     gc("compute", "tpus", "tpu-vm", "delete", "t", f"--project={P}", f"--zone={Z}", "--quiet", check=True)
     root = emulator.buckets_root()
@@ -375,6 +379,12 @@ def test_gs_is_a_folder_beside_the_vms_and_gcloud_storage_lists_it(emu):
     assert miss.returncode == 1 and "One or more URLs matched no objects." in miss.stderr
     gc("storage", "cp", "--recursive", "gs://bk/run/checkpoints/10", str(emu), check=True)
     assert (emu / "10" / "meta").read_bytes() == b"x"
+    # A bucket that was never created is not there, for gcloud and for a writer alike (gcsfs: a 404).
+    miss = gc("storage", "ls", "gs://no-such-bucket/run/")
+    assert miss.returncode == 1 and "gs://no-such-bucket bucket does not exist." in miss.stderr
+    assert not os.path.exists(os.path.join(emulator.buckets_root(), "no-such-bucket"))
+    assert gc("storage", "buckets", "create", "gs://new-bucket").returncode == 0
+    assert gc("storage", "ls", "gs://new-bucket/").returncode == 1  # there, and empty
 
 
 @pytest.mark.timeout(120)

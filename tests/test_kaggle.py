@@ -332,6 +332,10 @@ def test_wrong_token_is_refused(server, capsys):
     (["--status", "--restart"], "--restart goes with --stop"),  # was ignored: the kernel was not restarted
     (["--wait", "--shutdown"], "--shutdown goes with --stop"),
     (["--run", "1", "--untracked"], "--untracked goes with --setup"),
+    (["--wait", "--run-dir", "gs://b/d20"], "--run-dir goes with --pipeline"),
+    (["--pipeline", "--flag", "save_every"], "--flag 'save_every' is not KEY=VALUE"),
+    (["--pipeline", "--run-dir", "runs/d20"], "run_dir must be a bucket URL such as gs://my-bucket/d20"),
+    (["--pipeline", "--run-dir", "gs://b/d20", "--gcs-key", "/no/such/key.json"], "cannot read the service-account key"),
 ])
 def test_a_flag_that_would_be_ignored_or_fail_late_is_one_sentence(argv, words, capsys):
     # A closed port: the check comes before any connection is tried.

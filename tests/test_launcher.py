@@ -30,7 +30,7 @@ import pytest
 
 from flaxchat.cloud import gcloud as g
 from flaxchat.cloud import recovery as rec
-from flaxchat.cloud.launcher import TPUConfig, TPULauncher, main
+from flaxchat.cloud.launcher import TPUConfig, TPULauncher, load_state, main, save_state
 from flaxchat.cloud.rehearsal import emulator
 from flaxchat.errors import cli_main
 
@@ -121,6 +121,7 @@ def _make_env(base, mp):
     mp.setenv("UV_CACHE_DIR", UV_CACHE)
     shim = emulator.install_shim(str(base / "bin"))
     mp.setenv("PATH", os.path.dirname(shim) + os.pathsep + uv_bin() + os.pathsep + os.environ["PATH"])
+    os.makedirs(os.path.join(emulator.buckets_root(), "bk"), exist_ok=True)  # the run folders' bucket
     repo = base / "repo"
     if not repo.exists():
         shutil.copytree(os.path.join(REPO, "flaxchat"), repo / "flaxchat",
@@ -131,6 +132,7 @@ def _make_env(base, mp):
             (repo / pkg).mkdir()
             (repo / pkg / "__init__.py").write_text("")
         (repo / "standin.py").write_text(STANDIN)
+        (repo / "scripts" / "sft.py").write_text(STANDIN)  # a stage with no --run-dir in its command line
         (repo / ".gitignore").write_text("ignored.txt\n")
         (repo / "ignored.txt").write_text("do not upload")
         subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -399,15 +401,19 @@ def test_teardown_of_a_missing_vm_says_not_found(shared_env, capsys):
 @pytest.mark.timeout(60)
 def test_recover_refuses_checkpoints_on_the_vm_disk_and_creates_nothing(shared_env, capsys):
     base = [f"--project={P}", f"--zone={Z}", "--tpu-name=local-ckpt", "--accelerator=v4-8"]
-    cmd = "python -m scripts.pretrain --depth=4 --run-dir=runs/d4"
-    code, _, err = cli(capsys, *base, "--preemptible", "--create", "--recover", cmd)
+    cmd = "python -m scripts.pretrain --depth=4"
+    code, _, err = cli(capsys, *base, "--preemptible", "--create", "--run-dir=runs/d4", "--recover", cmd)
     assert code != 0 and err.count("error:") == 1 and err.strip().count("\n") <= 1
     assert ("error: --recover deletes and recreates a preempted or broken VM, but the run folder runs/d4 is on "
             "the VM's own disk, which a preemption or a recreate deletes, so training would silently start again "
             "from step 0: use a gs:// --run-dir (a bucket outlives the VM), or pass --allow-local-checkpoints to "
             "accept that.") in err
-    code, _, err = cli(capsys, *base, "--spot", "--create", "--run", cmd)
+    code, _, err = cli(capsys, *base, "--spot", "--create", "--run-dir=runs/d4", "--run", cmd)
     assert code != 0 and "a spot VM is deleted when it is preempted, but the run folder runs/d4" in err
+    # Not told at all: the command is never searched for one; the recovery must know it before it starts.
+    code, _, err = cli(capsys, *base, "--preemptible", "--create", "--recover", cmd + " --run-dir=gs://bk/d4")
+    assert code != 0 and err.count("error:") == 1 and "so it must know the run folder before it starts: pass " \
+        "--run-dir gs://BUCKET/RUN" in err, err
     assert not [n for n in emulator.list_nodes() if n["name"] == "local-ckpt"]  # nothing created
 
 
@@ -471,7 +477,7 @@ def test_health_shows_a_crash_on_worker_1_while_worker_0_runs(spod, capsys):
 
 @pytest.mark.timeout(90)
 def test_wait_trusts_the_completion_marker_and_exit_codes_not_log_text(spod):
-    spod.run(standin(spod.run_dir, steps=4, **{"save-every": 2}))
+    spod.run(standin(spod.run_dir, steps=4, **{"save-every": 2}), run_dir=spod.run_dir)
     result = spod.wait(timeout=60)
     assert result.ok and result.state == "done" and result.exit_codes == {0: 0, 1: 0}
     # download_checkpoint: the latest complete step, never a save cut short (no commit_success.txt).
@@ -482,7 +488,7 @@ def test_wait_trusts_the_completion_marker_and_exit_codes_not_log_text(spod):
     assert path == os.path.join(local, "4") and os.path.exists(os.path.join(path, "w.json"))
     assert not os.path.exists(os.path.join(local, "6"))
     # Exit 0 everywhere and a log that claims success, but no COMPLETE marker: not done.
-    spod.run(f"echo 'training complete, step 00004/00004 | loss 1.0'; true --run-dir={spod.run_dir}-other")
+    spod.run("echo 'training complete, step 00004/00004 | loss 1.0'; true", run_dir=f"{spod.run_dir}-other")
     result = spod.wait(timeout=60)
     assert not result.ok and "completion marker is missing" in result.error_value
 
@@ -492,7 +498,7 @@ def test_a_worker_that_finished_first_is_not_a_failure_while_worker_0_still_writ
     # Worker 1 exits 0 at once; worker 0 holds its COMPLETE marker until the test lets it go. The marker
     # is only missing while worker 0 runs: wait once called that a failure (CI caught it as a race).
     hold = tmp_path / "hold"
-    spod.run(standin(spod.run_dir, steps=2, **{"hold-file": hold}))
+    spod.run(standin(spod.run_dir, steps=2, **{"hold-file": hold}), run_dir=spod.run_dir)
     until(lambda: (spod.health()["workers"][1].get("state") == "exited"), what="worker 1 to finish")
     status = spod.status()
     assert status.state == "running" and status.info["problems"] == [], status  # a worker that finished is no problem
@@ -602,6 +608,27 @@ def test_workers_never_ask_the_bucket_themselves():
     assert '"gcloud"' not in src and "storage" not in src
 
 
+@pytest.mark.timeout(120)
+def test_recover_of_a_finished_sft_job_stops_at_its_completion_marker(spod, capsys):
+    """The launcher is told the run folder (--run-dir) and passes it to the stage; it never reads it
+    out of the command, which for SFT or RL names no run folder. --recover of an SFT job that has
+    finished, asked from another terminal (the launcher's record of that run is gone), must not
+    train it again: its COMPLETE marker, in the bucket, ends the recovery."""
+    cmd = "python -m scripts.sft --steps=2"
+    spod.run(cmd, run_dir=spod.run_dir)
+    assert spod.wait(timeout=60).ok
+    assert os.path.exists(bucket(f"{spod.run_dir}/COMPLETE"))
+    first = spod.health()["workers"][0]["run_id"]
+    state = load_state()
+    del state["vms"][P]["run"]
+    save_state(state)
+    code, _, err = cli(capsys, f"--project={P}", "--tpu-name=shared", f"--zone={Z}", f"--run-dir={spod.run_dir}",
+                       "--recover", cmd, "--poll-interval=0.2", "--timeout=60")
+    assert code == 0, err
+    assert "done: the completion marker is there" in err and "start:" not in err, err
+    assert spod.health()["workers"][0]["run_id"] == first  # the finished job was not started again
+
+
 @pytest.mark.timeout(60)
 def test_check_devices_joins_every_worker_into_one_job(spod):
     spod.config.coordinator_port = _free_port()
@@ -666,7 +693,7 @@ def test_recover_brings_back_a_preempted_pod(pod):
     lc = ready(pod)
     run_dir = "gs://bk/run"
     cmd = standin(run_dir, steps=24, sleep=0.1, **{"save-every": 4})
-    lc.run(cmd)
+    lc.run(cmd, run_dir=run_dir)
     ckpt = bucket(run_dir + "/checkpoints")
     until(lambda: os.path.exists(os.path.join(ckpt, "8", "commit_success.txt")), what="a checkpoint at step 8")
     emulator.preempt(NAME, Z, P)
@@ -674,7 +701,7 @@ def test_recover_brings_back_a_preempted_pod(pod):
     logs = []
     lc.say = logs.append
     policy = rec.Policy(poll_s=0.2, backoff_s=0.1, max_restarts=3)
-    result = lc.recover(cmd, local_repo_path=str(pod / "repo"), policy=policy, timeout=90)
+    result = lc.recover(cmd, run_dir=run_dir, local_repo_path=str(pod / "repo"), policy=policy, timeout=90)
     text = "\n".join(logs)
     assert result.ok, text
     assert "recreate: the VM is PREEMPTED" in text and "done: the completion marker is there" in text
@@ -695,7 +722,7 @@ def test_recover_restarts_a_crash_with_backoff(spod, shared_pod):
     cmd = standin(spod.run_dir, steps=10, sleep=0.05, **{"save-every": 2, "crash-once": shared_pod / "crashed"})
     logs = []
     spod.say = logs.append
-    result = spod.recover(cmd, local_repo_path=str(shared_pod / "repo"),
+    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"),
                           policy=rec.Policy(poll_s=0.2, backoff_s=0.1), timeout=90)
     text = "\n".join(logs)
     assert result.ok, text
@@ -744,7 +771,8 @@ def test_recover_keeps_a_healthy_pod_for_hours_where_only_process_0_prints_then_
     fake.on_sleep = on_sleep
     # 6 polls without a step: wide enough for a (re)started process to take its first one on a busy machine
     policy = rec.Policy(poll_s=600.0, backoff_s=1.0, heartbeat_deadline_s=3600.0)
-    result = spod.recover(cmd, local_repo_path=str(shared_pod / "repo"), policy=policy, clock=fake.clock,
+    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"), policy=policy,
+                          clock=fake.clock,
                           sleep=fake.sleep, timeout=24 * 3600)
     text = "\n".join(logs)
     assert result.ok, text
@@ -765,8 +793,8 @@ def test_ssh_failing_for_5_polls_on_a_ready_pod_never_deletes_it(spod, shared_po
     emulator.fail_next("tpu-vm.ssh", "[/usr/bin/ssh] exited with return code [255].", code=255, times=5)
     fake = FakeTime(real_per_sleep=0.0)
     cmd = standin(spod.run_dir, steps=4, sleep=0.05, **{"save-every": 2})
-    result = spod.recover(cmd, local_repo_path=str(shared_pod / "repo"), clock=fake.clock, sleep=fake.sleep,
-                          policy=rec.Policy(poll_s=1.0, backoff_s=0.1), timeout=3600)
+    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"), clock=fake.clock,
+                          sleep=fake.sleep, policy=rec.Policy(poll_s=1.0, backoff_s=0.1), timeout=3600)
     text = "\n".join(logs)
     assert result.ok, text
     assert not any(" delete " in c for c in recorded) and "recreate" not in text
@@ -830,14 +858,15 @@ def test_dry_run_prints_the_commands_and_changes_nothing(tmp_path, capsys, monke
     monkeypatch.setenv("PATH", str(tmp_path / "no-gcloud-here"))  # nothing may run
     code, out, err = cli(capsys, f"--project={P}", f"--zone={Z}", f"--tpu-name={NAME}", "--accelerator=v4-32",
                          "--create", "--setup", f"--upload={REPO}", "--run",
-                         "python -m scripts.pretrain --run-dir=gs://b/d", "--dry-run")
+                         "python -m scripts.pretrain", "--run-dir=gs://b/d", "--dry-run")
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == f"gcloud compute tpus tpu-vm describe {NAME} --project={P} --zone={Z} --format=json"
     assert (f"gcloud compute tpus tpu-vm create {NAME} --project={P} --zone={Z} --accelerator-type=v4-32 "
             "--version=tpu-ubuntu2204-base") in lines
     assert any(" scp " in x and "--worker=all" in x for x in lines)
-    assert any("worker.py start" in x and "scripts.pretrain" in x and "--venv .flaxchat/venv" in x for x in lines)
+    assert any("worker.py start" in x and "scripts.pretrain --run-dir=gs://b/d" in x and "--venv .flaxchat/venv" in x
+               and "--marker gs://b/d/COMPLETE" in x for x in lines)  # the stage is told its folder, and waited on
     assert '"$UV" venv --python 3.11' in out and ".[tpu,gcs]" in out  # gs:// run folder: gcsfs too
     assert not os.path.exists(tmp_path / "launcher.json")
     code, out, err = cli(capsys, f"--project={P}", "--zone=us-east5-b", "--tpu-name=s", "--accelerator=v5litepod-16",
@@ -845,12 +874,14 @@ def test_dry_run_prints_the_commands_and_changes_nothing(tmp_path, capsys, monke
     assert code == 0 and "queued resource s-qr: ACTIVE" in err and "queued-resources create s-qr" in out
 
 
-def test_run_dir_is_read_from_the_training_command():
-    from flaxchat.cloud.launcher import run_dir_of
-    assert run_dir_of("python -m scripts.pretrain --depth=24 --run-dir=gs://b/d24") == "gs://b/d24"
-    assert run_dir_of("python -m scripts.pretrain --run-dir /abs/x --depth=2") == "/abs/x"
-    assert run_dir_of("python -m scripts.pretrain --depth=24") == "runs/default"  # pretrain's default
-    assert run_dir_of("python my_script.py") is None and run_dir_of("echo 'unbalanced") is None
+def test_the_run_folder_is_told_to_the_stage_and_never_read_out_of_the_command():
+    from flaxchat.cloud.launcher import marker_of, with_run_dir
+    assert with_run_dir("python -m scripts.sft --base gs://b/d24", "gs://b/d24 sft") == \
+        "python -m scripts.sft --base gs://b/d24 --run-dir='gs://b/d24 sft'"
+    assert with_run_dir("python -m scripts.pretrain --run-dir=runs/x", None) == "python -m scripts.pretrain --run-dir=runs/x"
+    # The marker of every stage is the run folder's own (flaxchat.paths.RunFolder), pretraining or not.
+    assert marker_of("gs://b/d24-sft/") == "gs://b/d24-sft/COMPLETE" and marker_of("runs/rl") == "runs/rl/COMPLETE"
+    assert marker_of(None) is None
 
 
 def test_help_lists_every_action(capsys):
@@ -926,7 +957,7 @@ def test_pod_rehearsal_preempted_mid_training_resumes_from_the_bucket_to_the_sam
     assert lc._ssh("python3 --version", worker=0).stdout.strip() == "Python 3.10.12"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", **cache_env()}  # 2 workers x 1 CPU device
     cmd = _pretrain(run_dir)
-    lc.run(cmd, env=env)
+    lc.run(cmd, env=env, run_dir=run_dir)
     health = lc.health()  # while it starts (and compiles): both workers are there and alive
     assert [w["worker"] for w in health["workers"]] == [0, 1] and all(w["alive"] for w in health["workers"]), health
     ckpt = bucket(run_dir + "/checkpoints")
@@ -949,7 +980,7 @@ def test_pod_rehearsal_preempted_mid_training_resumes_from_the_bucket_to_the_sam
     assert _committed(ckpt) == [s for s in _committed(ckpt) if s <= last]
     logs = []
     lc.say = logs.append
-    result = lc.recover(cmd, env=env, local_repo_path=REPO, timeout=300,
+    result = lc.recover(cmd, run_dir=run_dir, env=env, local_repo_path=REPO, timeout=300,
                         policy=rec.Policy(poll_s=3.0, backoff_s=1.0, heartbeat_deadline_s=240))
     text = "\n".join(logs)
     assert result.ok, text

@@ -97,8 +97,9 @@ def describe_head() -> str:
 
 def tok_per_s(run_dir: Path, windows: int = 5) -> float | None:
     """The mean tok/s of the last `windows` progress windows a main-job run logged."""
+    from flaxchat.paths import RunFolder
     from flaxchat.report import MetricsLog
-    rows = MetricsLog(str(run_dir / "metrics.jsonl")).read()
+    rows = MetricsLog(RunFolder(run_dir).metrics).read()
     speeds = [r["tok_per_s"] for r in rows if r.get("kind") == "train" and "tok_per_s" in r]
     return float(np.mean(speeds[-windows:])) if speeds else None
 

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from flaxchat.errors import UserError, cli_main
+from flaxchat.paths import RunFolder
 
 DTYPES = ("float32", "bf16-products", "bf16-operands", "bfloat16")
 SECONDS_PER_STEP = 5.0  # a bound on one run: far above the ~0.3 s a step of the main job takes here
@@ -31,7 +32,7 @@ SECONDS_PER_STEP = 5.0  # a bound on one run: far above the ~0.3 s a step of the
 def final_val_bpb(run_dir: str) -> float:
     """The last validation bpb in a run folder's metrics.jsonl."""
     from flaxchat.report import MetricsLog
-    vals = [r["val_bpb"] for r in MetricsLog(os.path.join(run_dir, "metrics.jsonl")).read() if r.get("kind") == "val"]
+    vals = [r["val_bpb"] for r in MetricsLog(RunFolder(run_dir).metrics).read() if r.get("kind") == "val"]
     if not vals:
         raise UserError(f"{run_dir} has no validation figure.")
     return vals[-1]

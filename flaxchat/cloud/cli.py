@@ -15,7 +15,7 @@ import time
 from flaxchat.cloud import gcloud as g
 from flaxchat.cloud import launcher as _launcher
 from flaxchat.cloud import recovery as rec
-from flaxchat.cloud.launcher import TPUConfig, TPULauncher, check_run_folder, load_state, run_dir_of, state_path
+from flaxchat.cloud.launcher import TPUConfig, TPULauncher, check_run_folder, load_state, state_path
 from flaxchat.cloud.topology import topology_for
 from flaxchat.errors import UserError
 
@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for the run")
     opt.add_argument("--secret", action="append", default=[], metavar="NAME",
                      help="pass $NAME from this environment to the run, never on a command line or in a log")
-    opt.add_argument("--run-dir", help="the run's folder, if CMD does not say --run-dir (for --download-checkpoint)")
+    opt.add_argument("--run-dir", metavar="DIR",
+                     help="the stage's run folder, local or gs:// (a bucket survives the VM): added to CMD as its "
+                          "--run-dir; --wait and --recover stop at its COMPLETE marker (pretraining, SFT and RL "
+                          "alike); --download-checkpoint copies its latest complete step")
     opt.add_argument("--all-workers", action="store_true", help="--logs: every worker, lines prefixed [wN]")
     opt.add_argument("--no-follow", action="store_true", help="--logs: print the last lines and return")
     opt.add_argument("--lines", type=int, default=50, help="--logs: lines of history (default 50)")
@@ -194,10 +197,10 @@ def main(argv=None) -> int:
         executor = _dry_run_executor(config, exists=not args.create)
         config.startup_check_s = 0
     command = args.recover or args.run
-    run_dir = args.run_dir or (run_dir_of(command) if command else None)
+    run_dir = args.run_dir
     # Before anything is created: checkpoints that a preemption would delete are refused here.
     if args.recover:
-        check_run_folder(config, run_dir, "--recover deletes and recreates a preempted or broken VM")
+        check_run_folder(config, run_dir, "--recover deletes and recreates a preempted or broken VM", required=True)
     elif args.create and (config.preemptible or config.spot) and command:
         check_run_folder(config, run_dir, f"a {'spot' if config.spot else 'preemptible'} VM is deleted when "
                                           "it is preempted")
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
     if args.check_devices:
         print(json.dumps(launcher.check_devices()))
     if args.run:
-        launcher.run(args.run, env=env, secrets=secrets, run_dir=args.run_dir)
+        launcher.run(args.run, env=env, secrets=secrets, run_dir=run_dir)
     if args.logs:
         try:
             launcher.logs(follow=not args.no_follow, all_workers=args.all_workers, lines=args.lines)
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
     if args.recover:
         policy = rec.Policy(poll_s=args.poll_interval or 60.0, heartbeat_deadline_s=args.heartbeat_deadline,
                             max_restarts=args.max_restarts)
-        result = launcher.recover(args.recover, env=env or None, secrets=secrets or None,
+        result = launcher.recover(args.recover, run_dir=run_dir, env=env or None, secrets=secrets or None,
                                   local_repo_path=args.upload or ".", policy=policy, timeout=args.timeout)
         launcher.say(f"recovery {result.state}" + (f": {result.error_value}" if result.error_value else ""))
         code = code or (0 if result.ok else 1)

@@ -2,17 +2,23 @@
 
     python -m flaxchat.cloud.launcher --project=my-project --zone=us-central2-b \\
         --tpu-name=flaxchat-d24 --accelerator=v4-8 --create --setup --upload=.
-    python -m flaxchat.cloud.launcher --project=my-project --run "python -m scripts.pretrain --depth=24"
+    python -m flaxchat.cloud.launcher --project=my-project --run-dir=gs://my-bucket/d24 \\
+        --run "python -m scripts.pretrain --depth=24"
     python -m flaxchat.cloud.launcher --project=my-project --logs        # Ctrl-C detaches
     python -m flaxchat.cloud.launcher --project=my-project --health
-    python -m flaxchat.cloud.launcher --project=my-project --recover "python -m scripts.pretrain --depth=24"
+    python -m flaxchat.cloud.launcher --project=my-project --run-dir=gs://my-bucket/d24 \\
+        --recover "python -m scripts.pretrain --depth=24"
     python -m flaxchat.cloud.launcher --project=my-project --teardown
 
 Add --backend=local to rehearse all of it on this machine (flaxchat.cloud.rehearsal plays gcloud
 and Cloud Storage), and --dry-run to print the exact gcloud commands without running them. The VM
 that --create made is remembered per project (~/.flaxchat/launcher.json), so later calls need only
---project. What each kind of trouble looks like, and what the launcher does about it, is in
-docs/deployment.md ("What happens when...").
+--project. The run folder is told to the launcher (`--run-dir`, `run_dir=`): it is passed to the
+stage as its own --run-dir flag, and its COMPLETE marker (`flaxchat.paths.RunFolder`) is what --wait
+and --recover stop at, for every stage (pretraining, SFT, RL) alike; the command is never parsed.
+Without it, --wait takes the marker the stage names in its progress file (--recover needs it).
+What each kind of trouble looks like, and what the launcher does about it, is in docs/deployment.md
+("What happens when...").
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from flaxchat import uploads
+from flaxchat.paths import RunFolder
 from flaxchat.cloud import gcloud as g
 from flaxchat.cloud import recovery as rec
 from flaxchat.cloud.topology import check_process_count, default_runtime_version, topology_for
@@ -103,8 +110,14 @@ def survives_the_vm(run_dir: str | None) -> bool:
     return run_dir is None or run_dir.startswith("gs://")
 
 
-def check_run_folder(config: TPUConfig, run_dir: str | None, why: str) -> None:
-    """Refuse, in one sentence, checkpoints that a preemption or a recreate would silently delete."""
+def check_run_folder(config: TPUConfig, run_dir: str | None, why: str, required: bool = False) -> None:
+    """Refuse, in one sentence, checkpoints that a preemption or a recreate would silently delete.
+    `required`: the run folder must be told (recovery recreates the VM, and the new one must be set up
+    to reach the bucket before the stage has said where it writes)."""
+    if required and run_dir is None and not config.allow_local_checkpoints:
+        raise UserError(f"{why}, so it must know the run folder before it starts: pass --run-dir gs://BUCKET/RUN "
+                        "(run_dir= from Python); it is given to the stage as its own --run-dir, and its COMPLETE "
+                        "marker ends the recovery.")
     if survives_the_vm(run_dir) or config.allow_local_checkpoints:
         return
     raise UserError(f"{why}, but the run folder {run_dir} is on the VM's own disk, which a preemption or "
@@ -137,18 +150,16 @@ def save_state(state: dict) -> None:
     os.replace(tmp, state_path())
 
 
-def run_dir_of(command: str) -> str | None:
-    """The run folder a training command writes (its COMPLETE marker and checkpoints live there)."""
-    try:
-        words = shlex.split(command)
-    except ValueError:  # unbalanced quotes: the shell will say so on the workers
-        return None
-    for i, w in enumerate(words):
-        if w.startswith("--run-dir="):
-            return w.split("=", 1)[1]
-        if w == "--run-dir" and i + 1 < len(words):
-            return words[i + 1]
-    return "runs/default" if "scripts.pretrain" in words else None  # pretrain's own default
+def with_run_dir(command: str, run_dir: str | None) -> str:
+    """The command the workers run: the stage's own `--run-dir` flag added when the launcher was told
+    the run folder (the last flag wins in argparse, so it is the one the stage uses); nothing is read
+    out of the command."""
+    return command if not run_dir else f"{command} --run-dir={shlex.quote(run_dir)}"
+
+
+def marker_of(run_dir: str | None) -> str | None:
+    """The completion marker of the stage that writes `run_dir` (None: not known)."""
+    return RunFolder(run_dir).complete if run_dir else None
 
 
 def _crashed(w: dict) -> bool:
@@ -449,7 +460,9 @@ class TPULauncher(RemoteRunner):
     def run(self, what: str, *, env: Mapping[str, str] | None = None, secrets: Mapping[str, str] | None = None,
             timeout: float | None = None, on_output=None, run_dir: str | None = None,
             replace: bool = False) -> RunResult:
-        """Start `what` detached on every worker with the same env; return once it is running."""
+        """Start `what` detached on every worker with the same env; return once it is running.
+        `run_dir`: the stage's run folder (local or gs://), added to `what` as its --run-dir flag; its
+        completion marker is what wait() and recover() look for."""
         self._secrets.update(secrets or {})
         node = self._ready_node()
         if not replace:
@@ -457,15 +470,14 @@ class TPULauncher(RemoteRunner):
             if alive:
                 raise UserError(f"a run is already going on TPU VM {self.config.tpu_name} ({alive[0]['command']!r}); "
                                 "stop it with --stop, or follow it with --logs.")
-        run_dir = run_dir or run_dir_of(what)
-        marker = f"{run_dir.rstrip('/')}/COMPLETE" if run_dir else None
+        marker = marker_of(run_dir)
         n = len(node["networkEndpoints"])
         if n > 1 and run_dir and not (run_dir.startswith("gs://") or os.path.isabs(run_dir)):
             self.say(f"warning: {n} workers write checkpoints to {run_dir!r} on their own disks; use a gs:// "
                      "--run-dir so they share one checkpoint that survives a recreated VM")
         self._write_env(node, env, secrets)
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        res = self._ssh(g.start_command(run_id, what, marker), check=False, timeout=600)
+        res = self._ssh(g.start_command(run_id, with_run_dir(what, run_dir), marker), check=False, timeout=600)
         if "can't open file" in res.stderr + res.stdout:
             raise UserError(f"flaxchat is not set up on TPU VM {self.config.tpu_name}; run --setup --upload=. first.")
         if res.returncode != 0:
@@ -494,6 +506,7 @@ class TPULauncher(RemoteRunner):
             raise RemoteError(f"flaxchat is not set up on TPU VM {self.config.tpu_name}; run --setup --upload=. first.")
         found = g.parse_worker_lines(res.stdout)
         workers = [found.get(i) for i in range(n)]
+        marker = marker or (workers[0] or {}).get("marker")  # not told: the one the stage named (its progress file)
         if marker and marker.startswith("gs://") and workers[0] is not None:
             workers[0]["complete"] = self.bucket_has(marker)  # once, from here: no VM asks the bucket
         return workers
@@ -544,7 +557,8 @@ class TPULauncher(RemoteRunner):
         bad = [w for w in workers if not w.get("reachable", True) or _crashed(w)]
         if bad:
             return "failed", rec.health_problems("READY", bad, float("inf"))[0]
-        if (self.remembered().get("run") or {}).get("marker") and not workers[0].get("complete"):
+        if ((self.remembered().get("run") or {}).get("marker") or workers[0].get("marker")) \
+                and not workers[0].get("complete"):
             return "failed", "every worker exited 0 but the training's completion marker is missing"
         return "done", "finished"
 
@@ -616,11 +630,13 @@ class TPULauncher(RemoteRunner):
         return found.get("complete", [])
 
     def download_checkpoint(self, local_dir: str, run_dir: str | None = None, step: int | None = None) -> str:
-        """Copy the latest complete Orbax step (never a half-written one) into local_dir/<step>."""
+        """Copy the latest complete Orbax step (never a half-written one) into local_dir/<step>.
+        A gs:// run folder is read from the bucket (`gcloud storage`), with no VM; a local one from
+        worker 0's disk. Only that step is copied, not the run folder."""
         run_dir = run_dir or (self.remembered().get("run") or {}).get("run_dir")
         if not run_dir:
             raise UserError("no run folder is known; pass --run-dir (the --run-dir of the training).")
-        ckpt = run_dir.rstrip("/") + "/checkpoints"
+        ckpt = RunFolder(run_dir).checkpoints
         complete = self.complete_steps(ckpt)
         if not complete or (step is not None and step not in complete):
             raise UserError(f"no complete checkpoint{f' at step {step}' if step is not None else ''} in {ckpt} "
@@ -638,7 +654,7 @@ class TPULauncher(RemoteRunner):
     def observe(self, run_id: str | None, marker: str | None, now: float | None = None) -> rec.Observation:
         """What recovery decides on; `marker` is the completion marker of the command it recovers."""
         h = self.health(marker)
-        expects_marker = marker is not None
+        expects_marker = marker is not None or bool(h["workers"] and h["workers"][0].get("marker"))
         state = None if h["state"] == "NOT_FOUND" else h["state"]
         workers = [rec.WorkerObs(reachable=w.get("reachable", True), state=w.get("state", "none"),
                                  exit_code=w.get("exit_code"), progress_age=w.get("progress_age"),
@@ -647,18 +663,20 @@ class TPULauncher(RemoteRunner):
         return rec.Observation(state, workers, complete, run_id, expects_marker, health=h.get("health"),
                                qr_state=h.get("qr_state"), now=self.clock() if now is None else now)
 
-    def recover(self, command: str, *, env: Mapping[str, str] | None = None,
+    def recover(self, command: str, *, run_dir: str | None = None, env: Mapping[str, str] | None = None,
                 secrets: Mapping[str, str] | None = None, local_repo_path: str = ".",
                 policy: rec.Policy | None = None, clock=None, sleep=None, timeout: float | None = None) -> RunResult:
         """Keep `command` running to completion through crashes, hangs and preemptions (see recovery.py).
+        `run_dir`: the stage's run folder, passed to it as --run-dir; its completion marker ends the
+        recovery for pretraining, SFT and RL alike (a finished stage is never started again).
         Refuses a run folder on the VM's disk (a recreate would lose it) unless allow_local_checkpoints."""
         policy = policy or rec.Policy()
-        run_dir = run_dir_of(command)
-        check_run_folder(self.config, run_dir, "--recover deletes and recreates a preempted or broken VM")
+        check_run_folder(self.config, run_dir, "--recover deletes and recreates a preempted or broken VM", required=True)
         clock, sleep = clock or self.clock, sleep or self.sleep
         prev = self.remembered().get("run") or {}
         # Attach to the same command if it is already going; "" = none of the workers runs it yet.
-        current = {"run_id": prev.get("run_id") if prev.get("command") == command else ""}
+        same = prev.get("command") == command and prev.get("run_dir") == run_dir
+        current = {"run_id": prev.get("run_id") if same else ""}
         if not current["run_id"] and any(w.get("alive") for w in self.health()["workers"]):
             raise UserError(f"TPU VM {self.config.tpu_name} is running another command; stop it with --stop "
                             "first, or recover that command.")
@@ -666,7 +684,7 @@ class TPULauncher(RemoteRunner):
             k: os.environ[k] for k in prev.get("secret_names", []) if k in os.environ}
 
         def start():
-            self.run(command, env=env, secrets=secrets, replace=True)
+            self.run(command, env=env, secrets=secrets, run_dir=run_dir, replace=True)
             current["run_id"] = self.remembered()["run"]["run_id"]
 
         def restart():
@@ -681,7 +699,7 @@ class TPULauncher(RemoteRunner):
 
         actions = type("RecoveryActions", (), {"start": staticmethod(start), "restart": staticmethod(restart),
                                                "recreate": staticmethod(recreate)})()
-        marker = f"{run_dir.rstrip('/')}/COMPLETE" if run_dir else None
+        marker = marker_of(run_dir)
         decision = rec.recover_loop(lambda: self.observe(current["run_id"], marker, clock()), actions,
                                     policy, clock=clock, sleep=sleep, log=self.say, timeout=timeout)
         ok = decision.action is rec.Action.DONE

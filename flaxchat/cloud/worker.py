@@ -344,6 +344,8 @@ def status(state_dir: str, marker: str = "") -> dict:
         where = os.path.dirname(where)
     disk = shutil.disk_usage(where)
     cwd = run.get("cwd", os.getcwd())
+    # The launcher's marker, else the one the stage itself named in its progress file (flaxchat.progress).
+    marker = marker or run.get("marker", "") or progress.get("marker") or ""
     return {"worker": worker_id(), "run_id": run.get("run_id"), "state": state, "alive": alive,
             "pid": run.get("child_pid"), "exit_code": ended["exit_code"] if ended else None,
             "command": run.get("command"), "last_line": lines[-1] if lines else "",
@@ -351,7 +353,7 @@ def status(state_dir: str, marker: str = "") -> dict:
             "tok_s": progress.get("tok_s"), "stage": progress.get("stage"),
             "progress_age": max(0.0, now - since) if since else None,
             "disk_used_pct": round(100.0 * disk.used / disk.total, 1), "disk_free_gb": round(disk.free / 1e9, 1),
-            "complete": marker_exists(marker or run.get("marker", ""), cwd)}
+            "marker": marker or None, "complete": marker_exists(marker, cwd)}
 
 
 def logs(state_dir: str, lines: int = 50, follow: bool = False, prefix: bool = False, poll: float = 0.25) -> None:

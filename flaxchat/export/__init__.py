@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from flaxchat import paths
+from flaxchat.paths import RunFolder
 from flaxchat.export.formats import (build_model, load_npz, load_pkl, model_params, read_npz, read_pkl,
                                      read_weights, save_npz, save_pkl)
 from flaxchat.export.source import load_params_into, read_any, read_checkpoint
@@ -43,7 +45,7 @@ def export_model(model_or_cfg, out_dir: str, params: dict | None = None, step: i
     else:
         cfg = model_or_cfg
     check_seq_len(cfg, seq_len)  # bad input is refused before any file is written
-    out = {k: os.path.join(out_dir, v) for k, v in FILES.items()}
+    out = {k: paths.join(out_dir, v) for k, v in FILES.items()}
     save_pkl(out["pkl"], cfg, params, step)
     save_npz(out["npz"], cfg, params)
     # The float32 twin of the model: a bf16-compute training model exports as float32.
@@ -58,20 +60,28 @@ def export_run(run_dir: str, out_dir: str | None = None, step: int | None = None
 
     Also copies the tokenizer folder (default <run_dir>/tokenizer) beside the files: an app needs
     it to encode prompts. Returns {"pkl", "npz", "stablehlo", "mlir"[, "tokenizer"]} -> path.
+    `run_dir` and `out_dir` may be local or gs:// (a run folder, its checkpoints or one step).
     """
+    from flaxchat.loading import resolve
     cfg, params, step = read_checkpoint(run_dir, step)
-    out_dir = out_dir or os.path.join(run_dir, "export")
-    paths = export_model(cfg, out_dir, params=params, step=step, seq_len=seq_len, platforms=platforms)
-    tok = tokenizer_dir or os.path.join(run_dir, "tokenizer")
-    if os.path.isdir(tok):
-        dest = os.path.join(out_dir, "tokenizer")
-        tmp = f"{dest}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(tok, tmp)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-        paths["tokenizer"] = dest
-    return paths
+    run = RunFolder(resolve(run_dir).run_dir)
+    out_dir = out_dir or run.export
+    files = export_model(cfg, out_dir, params=params, step=step, seq_len=seq_len, platforms=platforms)
+    tok = tokenizer_dir or run.tokenizer
+    if paths.isdir(tok):
+        dest = paths.join(out_dir, RunFolder.TOKENIZER)
+        if paths.is_remote(dest) or paths.is_remote(tok):
+            for src in paths.listdir(tok, recursive=True):  # a few small files, one object each
+                paths.write_bytes(paths.join(dest, src[len(tok.rstrip("/")):].lstrip("/" + os.sep)),
+                                  paths.read_bytes(src))
+        else:
+            tmp = f"{dest}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(tok, tmp)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
+        files[RunFolder.TOKENIZER] = dest
+    return files
 
 
 __all__ = ["export_model", "export_run", "load_pkl", "load_npz", "read_pkl", "read_npz", "read_weights",

@@ -17,6 +17,7 @@ bad input never leaves a half-written model.pkl behind.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from flaxchat import paths
 from flaxchat.config import GPTConfig
 from flaxchat.errors import UserError
 
@@ -37,7 +39,14 @@ CONFIG_KEY, FORMAT_KEY = "__config__", "__format__"
 
 
 def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> str:
-    """Call write(f) on a temp file beside `path`, then rename it onto `path` (never half a file)."""
+    """Call write(f) on a temp file beside `path`, then rename it onto `path` (never half a file).
+    A gs:// path is written in memory and uploaded as one object, which is atomic there."""
+    if paths.is_remote(path):
+        buf = io.StringIO() if "b" not in mode else io.BytesIO()
+        write(buf)
+        data = buf.getvalue()
+        paths.write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
+        return path
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -167,10 +176,10 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 def read_pkl(path: str) -> tuple[GPTConfig, dict, int | None]:
     """(config, params, step) from a model.pkl, checked against the config; UserError otherwise."""
-    if not os.path.isfile(path):
+    if not paths.exists(path) or paths.isdir(path):
         raise UserError(f"{path} does not exist; export one with `python -m scripts.export --run-dir=RUN`.")
     try:
-        with open(path, "rb") as f:
+        with paths.open_file(path, "rb") as f:  # from a bucket: streamed, never a local copy
             blob = _NumpyOnlyUnpickler(f).load()
     except _ForeignClass as e:
         raise UserError(f"{path} is not a flaxchat model.pkl (it contains a {e} object, which a flaxchat "
@@ -208,10 +217,10 @@ def save_npz(path: str, cfg: GPTConfig, params: dict) -> str:
 
 
 def read_npz(path: str) -> tuple[GPTConfig, dict]:
-    if not os.path.isfile(path):
+    if not paths.exists(path) or paths.isdir(path):
         raise UserError(f"{path} does not exist; export one with `python -m scripts.export --run-dir=RUN`.")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with paths.open_file(path, "rb") as f, np.load(f, allow_pickle=False) as z:
             if CONFIG_KEY not in z.files:
                 raise UserError(f"{path} has no {CONFIG_KEY} entry, so it is not a flaxchat weights.npz; "
                                 "export the model with `python -m scripts.export`.")

@@ -7,30 +7,45 @@ trainer and wrong for an exporter: exporting while training runs would delete th
 
 from __future__ import annotations
 
-import glob
 import os
 
 import numpy as np
 
+from flaxchat import paths
 from flaxchat.config import GPTConfig
+from flaxchat.paths import RunFolder
 from flaxchat.errors import UserError
 from flaxchat.export import formats
 
 
 def checkpoint_dir(path: str) -> str:
-    """A run folder (holding checkpoints/) or the checkpoints folder itself -> the checkpoints folder."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise UserError(f"{path} does not exist; pass a training run folder (the --run-dir of scripts.pretrain).")
-    sub = os.path.join(path, "checkpoints")
-    return sub if os.path.isdir(sub) else path
+    """A run folder (holding checkpoints/), the checkpoints folder itself, or one step of it, local
+    or gs:// -> the checkpoints folder."""
+    return _located(path)[0]
+
+
+def _located(path: str) -> tuple[str, int | None]:
+    """(checkpoints folder, step named by the path or None); a missing run folder is one sentence."""
+    where = path.rstrip("/") if paths.is_remote(path) else os.path.abspath(path)
+    if not paths.isdir(where):
+        raise paths.missing_bucket(where) or UserError(f"{where} does not exist; pass a training run folder (the --run-dir of scripts.pretrain).")
+    sub = RunFolder(where).checkpoints
+    if paths.isdir(sub):
+        return sub, None
+    if RunFolder.is_step(where):  # checkpoints/<step>: that step
+        return paths.parent(where), int(paths.basename(where))
+    return where, None  # a checkpoints folder (or not): _read says what it holds
 
 
 def read_checkpoint(path: str, step: int | None = None) -> tuple[GPTConfig, dict, int]:
     """(config, params, step) of the latest (or given) finished save under a run folder."""
     from absl import logging as absl_logging
 
-    ckpt = checkpoint_dir(path)
+    ckpt, named = _located(path)
+    if named is not None:
+        if step is not None and step != named:
+            raise UserError(f"{path} is step {named} but --step {step} was asked for; pass one or the other.")
+        step = named
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns that a read-only manager is read-only
     try:
@@ -54,9 +69,12 @@ def _read(ckpt: str, step: int | None) -> tuple[GPTConfig, dict, int]:
     except Exception as e:
         raise UserError(f"{ckpt} cannot be read as a checkpoint folder ({type(e).__name__}).") from None
     if not steps:
-        half = sorted(glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*")))
+        # A save cut short: locally Orbax's `<step>.orbax-checkpoint-tmp*` folder; on GCS the step under
+        # its final name without the commit_success.txt that Orbax writes last.
+        half = [n for n in paths.listdirs(ckpt) if ".orbax-checkpoint-tmp" in n or
+                (paths.is_remote(ckpt) and n.isdigit())]
         if half:
-            raise UserError(f"{ckpt} holds only a half-written save ({os.path.basename(half[0])}), no finished "
+            raise UserError(f"{ckpt} holds only a half-written save ({half[0]}), no finished "
                             "checkpoint; let training reach its next save (or resume it) and export again.")
         raise UserError(f"no checkpoint found in {ckpt}; train first (python -m scripts.pretrain --run-dir=...).")
     if step is None:
@@ -84,15 +102,16 @@ def _read(ckpt: str, step: int | None) -> tuple[GPTConfig, dict, int]:
 
 
 def read_any(path: str, step: int | None = None) -> tuple[GPTConfig, dict, int | None]:
-    """(config, params, step) from a run folder, a checkpoints folder, a model.pkl or a weights.npz."""
-    if os.path.isdir(path):
-        return read_checkpoint(path, step)
+    """(config, params, step) from a run folder, a checkpoints folder, a model.pkl or a weights.npz
+    (local or gs://)."""
     if path.endswith(".pkl"):
         return formats.read_pkl(path)
     if path.endswith(".npz"):
         return (*formats.read_npz(path), None)
-    if not os.path.exists(path):
-        raise UserError(f"{path} does not exist; pass a run folder, a model.pkl or a weights.npz.")
+    if paths.isdir(path):
+        return read_checkpoint(path, step)
+    if not paths.exists(path):
+        raise paths.missing_bucket(path) or UserError(f"{path} does not exist; pass a run folder, a model.pkl or a weights.npz.")
     raise UserError(f"{path} is neither a run folder nor a .pkl/.npz file; pass one of those.")
 
 

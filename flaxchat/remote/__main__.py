@@ -7,6 +7,15 @@
     python -m flaxchat.remote.kaggle URL --status | --wait | --stop [--restart | --shutdown]
     python -m flaxchat.remote.kaggle URL --reattach REQUEST_ID   # a run whose connection was lost
 
+A long run, with no Python to write (docs/kaggle.md):
+
+    python -m flaxchat.remote.kaggle URL --pipeline --depth 20 --steps 40000 \\
+        --run-dir gs://my-bucket/d20 --gcs-key key.json --flag save_every=500
+    python -m flaxchat.remote.kaggle URL --wait          # follow it; Ctrl-C stops following only
+    python -m flaxchat.remote.kaggle URL --download --to runs/d20   # the job's folder (a local run's all)
+
+In the next session (a new URL), the same --pipeline line resumes from the bucket's last step.
+
 The token comes from --token or $KAGGLE_JUPYTER_TOKEN and is never printed; neither is the URL's
 path (Kaggle signs it). Exit status: 0 ok, 1 the remote code or job failed, 2 anything else wrong.
 """
@@ -40,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from flaxchat.remote.kaggle import TOKEN_ENV
     p = _Parser(prog="python -m flaxchat.remote.kaggle",
-                description="Run Python on a Kaggle notebook's kernel (or any Jupyter server) from here.")
+                description="Run Python, or a training job that outlives the session (--pipeline with a gs:// "
+                            "--run-dir), on a Kaggle notebook's kernel (or any Jupyter server) from here.")
     p.add_argument("url", help="the server's URL; on Kaggle the Jupyter proxy URL ending in /proxy")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", metavar="CODE", help="execute this Python code on the kernel")
@@ -52,7 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--reattach", metavar="ID", help="follow a run whose connection was lost, by its request id")
     what.add_argument("--setup", metavar="REPO", nargs="?", const=".", help="upload REPO (default .) and install it")
     what.add_argument("--wait", action="store_true", help="follow the training job's log until it exits")
+    what.add_argument("--pipeline", action="store_true",
+                      help="start the training (scripts.run_tinystories) as a detached job; see --depth, --steps, "
+                           "--run-dir, --gcs-key, --flag")
+    what.add_argument("--download", metavar="REMOTE", nargs="?", const="",
+                      help="fetch REMOTE (a path under the server's root; default: the last job's folder) into --to")
     p.add_argument("--token", help=f"the server's token (default: ${TOKEN_ENV}); never printed")
+    run = p.add_argument_group("--pipeline")
+    run.add_argument("--depth", type=int, default=8, help="model depth (default 8)")
+    run.add_argument("--steps", type=int, default=5000, help="optimizer steps (default 5000)")
+    run.add_argument("--run-dir", help="the run folder in a bucket (gs://...), which outlives the session: the same "
+                                       "command in the next session resumes from its last committed step")
+    run.add_argument("--gcs-key", metavar="FILE",
+                     help="a service-account key (JSON) here; sent as a secret, never as code or on a command line")
+    run.add_argument("--name", help="the job's name (default: the --run-dir's last part, else the time and depth)")
+    run.add_argument("--resume", action="store_true", help="continue the run of --name on the kernel's disk")
+    run.add_argument("--flag", action="append", default=[], metavar="KEY=VALUE",
+                     help="a flag of scripts.pretrain, e.g. save_every=500 or data=hf:...; repeatable")
+    p.add_argument("--to", default=".", metavar="DIR", help="with --download: the local folder (default .)")
     p.add_argument("--timeout", type=float, help="seconds to allow for --run/--file/--wait (default: none)")
     p.add_argument("--restart", action="store_true", help="with --stop: also restart the kernel")
     p.add_argument("--shutdown", action="store_true", help="with --stop: also shut the kernel down")
@@ -70,12 +97,26 @@ def _raise_if_failed(res: RunResult, what: str) -> None:
         raise RemoteFailed(f"{what} failed ({detail.rstrip('.')}).")
 
 
+def _flags(items: list[str]) -> dict[str, str | bool]:
+    """--flag KEY=VALUE items -> run_pipeline's keywords; true/false are a switch (export=false: --no-export)."""
+    flags: dict[str, str | bool] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UserError(f"--flag {item!r} is not KEY=VALUE (e.g. save_every=500).")
+        switch = {"true": True, "false": False}.get(value.strip().lower())
+        flags[key.strip().lstrip("-").replace("-", "_")] = value if switch is None else switch
+    return flags
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Flags that would otherwise be ignored, or fail only once the kernel is reached: one sentence here.
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout must be a positive number of seconds (got {args.timeout:g}).")
-    for flag, needs in (("restart", "stop"), ("shutdown", "stop"), ("no_deps", "setup"), ("untracked", "setup")):
+    for flag, needs in (("restart", "stop"), ("shutdown", "stop"), ("no_deps", "setup"), ("untracked", "setup"),
+                        ("run_dir", "pipeline"), ("gcs_key", "pipeline"), ("name", "pipeline"), ("resume", "pipeline"),
+                        ("flag", "pipeline")):
         if getattr(args, flag) and getattr(args, needs) in (None, False):
             raise UserError(f"--{flag.replace('_', '-')} goes with --{needs}.")
     from flaxchat.remote.kaggle import KaggleRunner
@@ -107,6 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise RemoteFailed(f"setup could not install {', '.join(info['missing'])}: {info['hint']}.")
         elif args.wait:
             _raise_if_failed(runner.wait(timeout=args.timeout), "the job")
+        elif args.pipeline:
+            runner.run_pipeline(args.depth, args.steps, run_dir=args.run_dir, gcs_key=args.gcs_key, name=args.name,
+                                resume=args.resume, **_flags(args.flag))
+        elif args.download is not None:
+            files = runner.download(args.download or None, args.to)
+            print(f"downloaded {len(files)} file(s) into {args.to}")
     finally:
         runner.close()
     return 0

@@ -9,6 +9,10 @@
     runner.wait()                              # follow its log until it exits (no kernel needed)
     runner.download(local_path="run")          # fetch the run folder (checkpoint, log)
 
+    # A run longer than a session: the run folder in a bucket, the key as a secret; the same call
+    # in the next session resumes from the last committed step.
+    runner.run_pipeline(depth=20, steps=40000, run_dir="gs://my-bucket/d20", gcs_key="key.json")
+
 Any Jupyter server works (the tests use a local one, with a second client playing the notebook's
 tab). The kernel is shared with that tab, so the runner uses it as little as possible: to install,
 to probe the devices, to start a job and to run your code. A job runs under the pods' supervisor
@@ -17,9 +21,11 @@ code and progress are followed, and a stop is requested, through the server's fi
 notebook cell never delays them and is never interrupted by them. Files live under `flaxchat_remote/`
 in the server's root folder (`/kaggle/working` on Kaggle): `src/` (the uploaded repo), `setup.json`,
 `bin/` (the two scripts), `cells/` (each run's output and outcome, see cells.py),
-`runs/<name>/` (the run folder; `job/` in it holds the supervisor's files).
+`runs/<name>/` (the run folder; `job/` in it holds the supervisor's files; with a gs:// run folder
+only `job/` is there, the run itself is in the bucket).
 
-Command line: `python -m flaxchat.remote.kaggle URL --run CODE` (see --help).
+Command line: `python -m flaxchat.remote.kaggle URL --run CODE | --pipeline | --wait | --download`
+(see --help and docs/kaggle.md).
 """
 
 from __future__ import annotations
@@ -512,14 +518,40 @@ class KaggleRunner(RemoteRunner):
     # background training -------------------------------------------------------------------
     def run_pipeline(self, depth: int = 8, steps: int = 5000, *, command: Sequence[str] | None = None,
                      env: Mapping[str, str] | None = None, secrets: Mapping[str, str] | None = None,
-                     name: str | None = None, resume: bool = False, follow: bool = False, **flags) -> RunResult:
+                     name: str | None = None, resume: bool = False, follow: bool = False,
+                     run_dir: str | None = None, gcs_key: str | os.PathLike | None = None, **flags) -> RunResult:
         """Start `python -m scripts.run_tinystories --depth=.. --steps=.. --run-dir=.. [--flags]` on the
         kernel's machine as a detached job (a dropped connection, an interrupted cell or a kernel
         restart does not stop it) and return at once (state 'running'); wait() follows it. `command`
         replaces the arguments given to the kernel's Python ('{run_dir}' in them is filled in);
         FLAXCHAT_RUN_DIR is set. env and secrets travel as a file (0600, outside /kaggle/working once
         on the machine), never as code; secret values are *** in the log. resume=True starts again in
-        the run folder of `name` (default: the last job's), where the training resumes from its checkpoint."""
+        the run folder of `name` (default: the last job's), where the training resumes from its checkpoint.
+
+        run_dir="gs://bucket/run": the run folder is the bucket, which outlives the session (Kaggle
+        ends one after 9-12 hours, and its disk with it). The same call in a new session, on a new
+        server, resumes from the last step committed there, to the same parameters as one
+        uninterrupted run; `name` (default: the folder's last part) names only the job's log folder
+        on the server. gcs_key: a service-account key file on this machine; its text travels as the
+        secret FLAXCHAT_GCS_KEY and becomes a 0600 key file outside /kaggle/working on the kernel's
+        machine (GOOGLE_APPLICATION_CREDENTIALS). Without it the kernel's own credentials are used
+        (the notebook may set FLAXCHAT_GCS_KEY from Kaggle's Secrets, see docs/kaggle.md)."""
+        remote_run = run_dir is not None
+        if remote_run and "://" not in str(run_dir):
+            raise UserError(f"run_dir must be a bucket URL such as gs://my-bucket/d20 (got {run_dir!r}); without "
+                            "run_dir the run folder is on the kernel's disk, which ends with the session.")
+        secrets = dict(secrets or {})
+        if gcs_key is not None:
+            try:
+                key = Path(gcs_key).expanduser().read_text()
+                kind = json.loads(key).get("type")
+            except (OSError, ValueError, AttributeError) as e:
+                raise UserError(f"cannot read the service-account key {gcs_key} ({type(e).__name__}); pass the JSON "
+                                "key file Google Cloud gave you (IAM -> Service accounts -> Keys).") from None
+            if kind != "service_account":
+                raise UserError(f"{gcs_key} is not a service-account key (its type is {kind!r}); create a key for a "
+                                "service account that may write to the bucket.")
+            secrets[kernel_side.GCS_KEY_ENV] = key
         latest = self._latest_job()
         if resume:
             name = name or (latest.name if latest else None)
@@ -527,22 +559,26 @@ class KaggleRunner(RemoteRunner):
                 raise UserError("there is no run to resume; pass name= of a run folder under runs/.")
         root = self._kernel_root()
         bins = self._send_bin()
+        if remote_run:
+            name = name or str(run_dir).rstrip("/").rsplit("/", 1)[-1]
         name = name or time.strftime("%Y%m%d-%H%M%S") + f"-d{depth}"
         remote_dir = f"{self.workdir}/runs/{name}"
         exists = self.rest.model(remote_dir) is not None
-        if exists and not resume:
+        # A bucket's run resumes by itself (the training continues from its last committed step); only
+        # a run on the kernel's disk can be overwritten by mistake.
+        if exists and not resume and not remote_run:
             raise UserError(f"a run named {name} exists already on the kernel; pick another name, or resume=True.")
-        if resume and not exists:
+        if resume and not exists and not remote_run:
             raise UserError(f"there is no run named {name} to resume on the kernel.")
-        path = f"{root}/{remote_dir}"
+        path = str(run_dir).rstrip("/") if remote_run else f"{root}/{remote_dir}"
         argv = pipeline_argv(depth, steps, path, flags) if command is None else \
             [str(a).replace("{run_dir}", path) for a in command]
         job = Job(name, remote_dir, path, argv)
-        if resume:
+        if exists:
             log = self.rest.model(f"{job.state}/output.log")
             job.offset = (log or {}).get("size") or 0
         # worker.py points FLAXCHAT_PROGRESS_FILE at <state>/progress.json, which status() reads
-        variables = {"PYTHONUNBUFFERED": "1", "FLAXCHAT_RUN_DIR": path, **dict(env or {}), **dict(secrets or {})}
+        variables = {"PYTHONUNBUFFERED": "1", "FLAXCHAT_RUN_DIR": path, **dict(env or {}), **secrets}
         env_rel = f"{self.workdir}/tmp/env-{uuid.uuid4().hex}.json"
         self.rest.upload(env_rel, json.dumps({"env": variables, "secret_keys": sorted(secrets or {})}).encode())
         t0 = time.monotonic()
@@ -553,7 +589,8 @@ class KaggleRunner(RemoteRunner):
         job.pid = info.get("pid")
         self.rest.upload(f"{self.workdir}/runs/latest.json", json.dumps(job.record()).encode())
         self.job, self.last_result = job, None
-        print(f"started job {name} on the kernel's machine (pid {job.pid}); runner.wait() follows its log", flush=True)
+        print(f"started job {name} on the kernel's machine (pid {job.pid}), run folder {path if remote_run else remote_dir}"
+              f"; runner.wait() follows its log", flush=True)
         started = RunResult(state="running", ok=True, elapsed=time.monotonic() - t0)
         return self.wait() if follow else started
 

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -183,16 +182,42 @@ def _load(path: str):
     return module
 
 
+GCS_KEY_ENV = "FLAXCHAT_GCS_KEY"  # a service-account key's JSON, given as a secret (never as code)
+
+
+def _private(folder: str, name: str, data: bytes) -> str:
+    target = os.path.join(folder, name)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return target
+
+
 def private_env_file(upload: str) -> str:
     """Move the env file the runner uploaded (it lands in the server's root, which Kaggle keeps as the
-    notebook's output) into a 0700 folder outside it, as a 0600 file; delete the upload."""
+    notebook's output) into a 0700 folder outside it, as a 0600 file; delete the upload.
+
+    A service-account key among the variables (FLAXCHAT_GCS_KEY, from the runner's `gcs_key=` or the
+    notebook's own environment, e.g. read from Kaggle's Secrets) becomes a 0600 key file in the same
+    folder, and GOOGLE_APPLICATION_CREDENTIALS points at it: what gcsfs and Orbax's TensorStore read
+    to reach a gs:// run folder. The key's text stays a secret, so the log shows it as ***."""
     folder = tempfile.mkdtemp(prefix="flaxchat-env-")  # mkdtemp makes it 0700
-    target = os.path.join(folder, "env.json")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with open(upload, "rb") as src, os.fdopen(fd, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    with open(upload, "rb") as src:
+        data = src.read()
     os.remove(upload)
-    return target
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    env = doc.get("env") if isinstance(doc, dict) else None
+    if isinstance(env, dict):
+        key = env.get(GCS_KEY_ENV) or os.environ.get(GCS_KEY_ENV)
+        if key and not env.get("GOOGLE_APPLICATION_CREDENTIALS"):
+            env["GOOGLE_APPLICATION_CREDENTIALS"] = _private(folder, "gcs-key.json", str(key).encode())
+            env[GCS_KEY_ENV] = str(key)
+            doc["secret_keys"] = sorted(set(doc.get("secret_keys") or []) | {GCS_KEY_ENV})
+            data = json.dumps(doc).encode()
+    return _private(folder, "env.json", data)
 
 
 def launch(worker_path: str, state_dir: str, run_id: str, cwd: str, argv: list[str], env_upload: str = "",

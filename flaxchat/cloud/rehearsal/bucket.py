@@ -16,6 +16,16 @@ final name and marked complete with `commit_success.txt` (no rename), so a save 
 preemption looks exactly as it does in a real bucket. `gcloud storage ls/cp` on the same folder is
 the emulator's (see emulator.py).
 
+It fails where Cloud Storage fails, so that what a user sees there is what the tests see:
+
+- a bucket exists only once it is made (`gcloud storage buckets create gs://B`, or its folder under
+  the root); anything under a bucket that is not there is not found, and a write into it fails as
+  gcsfs's 404 does (FileNotFoundError);
+- credentials are looked for as google-auth and gcsfs look for them: the key file named by
+  GOOGLE_APPLICATION_CREDENTIALS (it must be a readable JSON key), then gcloud's application-default
+  login in ~/.config/gcloud, then a VM's metadata server (an emulated VM has one); with none of
+  them gcsfs falls back to anonymous access, and so does this (`credentials.method == "anon"`).
+
 Nothing in flaxchat imports this module: the emulator copies it, with a `sitecustomize.py` that
 calls `install()`, into a folder on the emulated workers' PYTHONPATH (a VM "that can reach GCS").
 Standard library and fsspec only, so it works as a lone file in that folder.
@@ -25,10 +35,13 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import json
 import os
 import sys
 
 ROOT_ENV = "FLAXCHAT_REHEARSAL_BUCKETS"
+VM_ENV = "FLAXCHAT_EMULATOR_VM"  # set on every process of an emulated VM (emulator.TAG_ENV)
+ADC = os.path.join("~", ".config", "gcloud", "application_default_credentials.json")
 _ORBAX_GCS = "orbax.checkpoint._src.path.gcs_utils"
 
 
@@ -40,6 +53,27 @@ def local_path(url: str) -> str:
     """Where `gs://bucket/x` lives on this machine."""
     inner = url.split("://", 1)[1] if "://" in url else url
     return os.path.join(root(), inner.lstrip("/"))
+
+
+def credentials_method() -> str:
+    """How gcsfs would authenticate here: 'google_default', 'cloud' (a VM's metadata server) or 'anon'."""
+    key = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if key:
+        try:
+            with open(key) as f:
+                if json.load(f).get("type") in ("service_account", "authorized_user", "external_account"):
+                    return "google_default"
+        except (OSError, ValueError, AttributeError):
+            pass  # google-auth refuses the file; gcsfs goes on to its other ways
+    if os.path.isfile(os.path.expanduser(ADC)):
+        return "google_default"
+    if os.environ.get(VM_ENV):
+        return "cloud"
+    return "anon"
+
+
+def bucket_exists(name: str) -> bool:
+    return bool(name) and os.path.isdir(os.path.join(root(), name))
 
 
 def _filesystem_class():
@@ -54,6 +88,7 @@ def _filesystem_class():
         def __init__(self, *args, **kwargs):
             os.makedirs(root(), exist_ok=True)
             super().__init__(path=root(), fs=LocalFileSystem(auto_mkdir=True))  # objects need no folders
+            self.credentials = type("Credentials", (), {"method": credentials_method()})()
 
         @classmethod
         def _strip_protocol(cls, path):
@@ -66,7 +101,30 @@ def _filesystem_class():
             return path.rstrip("/")
 
         def _join(self, path):
-            return super()._join(self._strip_protocol(path))
+            if isinstance(path, (list, tuple)):
+                return type(path)(self._join(p) for p in path)
+            inner = self._strip_protocol(path).lstrip("/")
+            if not bucket_exists(inner.split("/", 1)[0]):
+                raise FileNotFoundError(f"{inner}: The specified bucket does not exist.")
+            return super()._join(inner)
+
+        def exists(self, path, **kwargs):
+            try:
+                return super().exists(path, **kwargs)
+            except FileNotFoundError:
+                return False
+
+        def isdir(self, path):
+            try:
+                return super().isdir(path)
+            except FileNotFoundError:
+                return False
+
+        def isfile(self, path):
+            try:
+                return super().isfile(path)
+            except FileNotFoundError:
+                return False
 
     return RehearsalBucketFileSystem
 

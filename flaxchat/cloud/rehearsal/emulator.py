@@ -5,7 +5,7 @@ command lines with real work here, and is as unkind as Google where a pod's trou
 
     gcloud compute tpus tpu-vm create|describe|delete|ssh|scp ...
     gcloud compute tpus queued-resources create|describe|delete ...
-    gcloud storage ls|cp ...            (gs://BUCKET/PATH is a folder beside the VMs: bucket.py)
+    gcloud storage ls|cp|buckets create ...   (gs://BUCKET/PATH is a folder beside the VMs: bucket.py)
 
 State lives under $FLAXCHAT_GCLOUD_EMULATOR_DIR (default ~/.flaxchat/emulator): one JSON file per
 TPU VM and one folder per worker (`worker-<i>/`), that worker's HOME and its disk (deleting the VM
@@ -600,11 +600,24 @@ def _bucket_path(url: str) -> str:
 
 
 def storage(verb: str, args: list[str]) -> int:
-    """`gcloud storage ls URL...` (wildcards allowed) and `gcloud storage cp [--recursive] SRC DEST`."""
+    """`gcloud storage ls URL...` (wildcards allowed), `gcloud storage cp [--recursive] SRC DEST` and
+    `gcloud storage buckets create gs://B`. A URL in a bucket that was never created fails as on GCS."""
     import glob as globmod
 
     flags = [a for a in args if a.startswith("-")]
     pos = [a for a in args if not a.startswith("-")]
+    if verb == "buckets" and pos[:1] == ["create"] and len(pos) == 2:
+        name = pos[1][len("gs://"):].strip("/") if pos[1].startswith("gs://") else ""
+        if not name or "/" in name:
+            raise GcloudFail(f"Invalid bucket URL: {pos[1]}", 1)
+        if os.path.isdir(_bucket_path(pos[1])):
+            raise GcloudFail(f"HTTPError 409: The requested bucket name is not available: {name}", 1)
+        os.makedirs(_bucket_path(pos[1]))
+        print(f"Creating gs://{name}/...")
+        return 0
+    for url in pos:
+        if url.startswith("gs://") and not os.path.isdir(os.path.join(buckets_root(), url[5:].split("/", 1)[0])):
+            raise GcloudFail(f"gs://{url[5:].split('/', 1)[0]} bucket does not exist.", 1)
     if verb == "ls":
         lines = []
         for url in pos:
