@@ -15,6 +15,7 @@ scripts.pretrain on a 2-worker pod.
 """
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -263,6 +264,10 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
     assert code == 0, err
     assert f"acting on TPU VM '{NAME}' (v4-16, zone {Z}, project {P}; from the command line)" in err
     assert "READY with 2 worker(s)" in err
+    # Setup ends with one line per worker from its venv: the Python, jax and flaxchat the run will use.
+    last = err.strip().splitlines()[-2:]
+    assert [x.split(":")[0] for x in last] == ["worker 0", "worker 1"], err
+    assert all(re.match(r"worker \d: ready: Python 3\.1[1-9]\.\d+, jax (\d\S*|missing), flaxchat \S+$", x) for x in last), last
     for w in (0, 1):
         home = worker_home(w)
         assert os.path.exists(os.path.join(home, "flaxchat", "standin.py"))
@@ -271,6 +276,7 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
         assert not os.path.exists(os.path.join(home, "flaxchat", "ignored.txt"))  # .gitignore honoured
     code, _, err = cli(capsys, f"--project={P}", "--setup", f"--upload={repo}")
     assert code == 0 and "remembered in" in err and "up to date on all 2 worker(s)" in err
+    assert err.strip().splitlines()[-1].startswith("worker 1: ready: Python 3.")
     # The create is idempotent, and a PREEMPTED VM is deleted before it is made again.
     recorded = []
     lc = launcher(pod, recorded=recorded)
