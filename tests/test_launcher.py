@@ -814,7 +814,7 @@ def test_dry_run_prints_the_commands_and_changes_nothing(tmp_path, capsys, monke
             "--version=tpu-ubuntu2204-base") in lines
     assert any(" scp " in x and "--worker=all" in x for x in lines)
     assert any("worker.py start" in x and "scripts.pretrain" in x and "--venv .flaxchat/venv" in x for x in lines)
-    assert '"$UV" venv --python 3.11' in out and ".[tpu,gcs]" in out  # gs:// run folder: gcsfs too
+    assert '"$UV" venv --python 3.11' in out and ".[tpu,gcs,hub]" in out  # gs:// run folder: gcsfs too; hf: data
     assert not os.path.exists(tmp_path / "launcher.json")
     code, out, err = cli(capsys, f"--project={P}", "--zone=us-east5-b", "--tpu-name=s", "--accelerator=v5litepod-16",
                          "--spot", "--create", "--dry-run")  # the queued resource is polled, as if ACTIVE

@@ -83,7 +83,8 @@ class TPUConfig:
         return [self.zone] + [z for z in self.zones if z != self.zone]
 
     def install_for(self, gcs: bool) -> str:
-        return self.install_command or g.default_install(("tpu", "gcs") if gcs else ("tpu",))
+        # hub: huggingface_hub, so that `--data=hf:...` works on the workers as it does here.
+        return self.install_command or g.default_install(("tpu", "gcs", "hub") if gcs else ("tpu", "hub"))
 
 
 def executor_for(config: TPUConfig) -> g.GcloudExecutor:
