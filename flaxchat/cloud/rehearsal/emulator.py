@@ -227,7 +227,9 @@ def _worker_dirs(project, zone, name):
 
 
 def buckets_root() -> str:
-    return os.path.join(state_root(), "buckets")
+    # A worker's own `gcloud storage` (the recipe's copy of a run folder on the VM) runs without the
+    # emulator's state folder in its env, but with the bucket root its processes use for gs://.
+    return os.environ.get(BUCKETS_ENV) or os.path.join(state_root(), "buckets")
 
 
 PYTHON310 = """#!/bin/sh
