@@ -53,15 +53,15 @@ def main(argv=None) -> int:
 
     def reply(messages, turn) -> str:
         if mode == "chat":
-            prompt = chat_prompt(tokenizer, messages)
-        else:  # the text itself, continued; the continuation follows it on the same line
-            prompt = chat_mode.completion_prompt(tokenizer, messages[-1]["content"])
-            print(messages[-1]["content"], end="", flush=True)
+            prompt, lead = chat_prompt(tokenizer, messages), ""
+        else:  # the text itself, continued: the continuation follows it on the same line
+            prompt, lead = chat_mode.completion_prompt(tokenizer, messages[-1]["content"]), messages[-1]["content"]
         pieces = []
         for piece in stream_text(engine, tokenizer, prompt, seed=args.seed + turn, **sampling):
-            print(piece, end="", flush=True)
+            print(lead + piece, end="", flush=True)  # the text with the first piece: after compile messages
+            lead = ""
             pieces.append(piece)
-        print(flush=True)
+        print(lead, flush=True)
         return "".join(pieces)
 
     # --- one prompt ----------------------------------------------------------------------------
