@@ -25,11 +25,12 @@ class Peak:
     best of the readings of `probe` (a timed matmul) and of the rates the run itself reached."""
 
     def __init__(self, spec: float | None = None, probe: Callable[[], float] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, first: float | None = None):
+        """`first`: a reading of `probe` already taken (else it is timed now)."""
         if spec is None and probe is None:
             raise ValueError("Peak needs a spec-sheet figure or a probe to time")
         self.spec, self.probe, self.log = spec, probe, log
-        self.flops = spec if spec is not None else probe()
+        self.flops = spec if spec is not None else first if first is not None else probe()
         self.first = self.flops
 
     @property
