@@ -167,14 +167,24 @@ def measured_matmul_peak(n: int = 2048, dtype=jnp.float32, reps: int = 5) -> flo
     return _cpu_peak_cache[key]
 
 
-def device_peak_flops(compute: "Compute") -> float:
-    """Peak FLOP/s of one device: the spec sheet on TPU/GPU, a measured matmul on CPU."""
+def spec_peak_flops() -> float | None:
+    """One device's bf16 peak FLOP/s from its spec sheet, or None where flaxchat knows none (a CPU)."""
     kind = jax.devices()[0].device_kind
     for name, peak in PEAK_FLOPS_BY_KIND.items():
         if name.lower() in kind.lower():
             return peak
+    return None
+
+
+def device_peak_flops(compute: "Compute", measure: bool = False) -> float:
+    """Peak FLOP/s of one device: the spec sheet on TPU/GPU, a measured matmul on CPU (the first
+    reading of this process, or a fresh one with `measure`; see flaxchat.rates.Peak)."""
+    spec = spec_peak_flops()
+    if spec is not None:
+        return spec
+    timed = matmul_flops(dtype=compute.compute_dtype) if measure else measured_matmul_peak(dtype=compute.compute_dtype)
     # Devices of a fake multi-device CPU share the same cores: the peak is the machine's, split.
-    return measured_matmul_peak(dtype=compute.compute_dtype) / max(1, jax.local_device_count())
+    return timed / max(1, jax.local_device_count())
 
 
 @contextlib.contextmanager

@@ -25,21 +25,24 @@ import time
 
 ENV = "FLAXCHAT_PROGRESS_FILE"
 SCHEMA = 1
+MIN_INTERVAL_S = 1.0  # the throttle: one write a second at most
 
 
 class Progress:
     """Writes the progress file named by $FLAXCHAT_PROGRESS_FILE (a no-op when it is unset)."""
 
     def __init__(self, stage: str, steps: int | None = None, process: int = 0, path: str | None = None,
-                 min_interval_s: float = 1.0, clock=time.time, run_dir: str | None = None):
+                 min_interval_s: float | None = None, clock=time.time, run_dir: str | None = None):
         self.path = path if path is not None else os.environ.get(ENV, "")
         self.stage, self.steps, self.process = stage, steps, process
         self.where = {}
         if run_dir:
             from flaxchat.paths import RunFolder
             self.where = {"run_dir": str(run_dir), "marker": RunFolder(run_dir).complete}
-        self.min_interval_s, self.clock = min_interval_s, clock
+        self.min_interval_s = MIN_INTERVAL_S if min_interval_s is None else min_interval_s
+        self.clock = clock
         self._last_write = None
+        self._fields: dict = {}  # the last loss, tok_s, ... given: kept by updates that name none
 
     def due(self) -> bool:
         """True when the next `update` would write (the caller may first wait for the step to finish,
@@ -47,15 +50,17 @@ class Progress:
         return bool(self.path) and (self._last_write is None or self.clock() - self._last_write >= self.min_interval_s)
 
     def update(self, step: int, force: bool = False, **fields) -> None:
-        """Record that `step` is done (now). `fields` may add loss, tok_s, ... (numbers or None)."""
+        """Record that `step` is done (now). `fields` may add loss, tok_s, ... (numbers or None); a
+        field not given keeps its last value, so the closing update still shows the last loss."""
         if not self.path:
             return
+        self._fields.update({k: v for k, v in fields.items() if v is None or isinstance(v, (int, float, str))})
         now = self.clock()
         if not force and self._last_write is not None and now - self._last_write < self.min_interval_s:
             return
         record = dict(schema=SCHEMA, stage=self.stage, step=int(step), steps=self.steps, time=now,
                       pid=os.getpid(), process=self.process, **self.where)
-        record.update({k: v for k, v in fields.items() if v is None or isinstance(v, (int, float, str))})
+        record.update(self._fields)
         tmp = f"{self.path}.tmp{os.getpid()}"
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

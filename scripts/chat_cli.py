@@ -1,17 +1,21 @@
 """Chat with a trained model in the terminal: multi-turn, replies streamed as they are written.
 
-    python -m scripts.chat_cli --run-dir runs/tinystories            # interactive
-    python -m scripts.chat_cli --run-dir runs/tinystories -p "Hello"  # one prompt, one reply
+    python -m scripts.chat_cli --run-dir runs/chat/sft -p "Hello"             # a chat model replies
+    python -m scripts.chat_cli --run-dir runs/tinystories -p "Once upon a time"  # a base model continues
+    python -m scripts.chat_cli --run-dir runs/chat/rl                         # interactive
 
-`--run-dir` also takes a checkpoints folder or one step folder. Type `clear` to start a new
-conversation, `quit` (or Ctrl-D) to leave. The model may call its Python tool; the engine runs it
-(calculator, else the sandbox) and the output appears in the reply.
+A model finetuned by scripts.sft or scripts.rl chats; a base model (pretraining only) continues
+the text it is given, since it never learnt the chat template. The mode is printed; `--mode`
+overrides it. `--run-dir` also takes a checkpoints folder or one step folder. Type `clear` to
+start a new conversation, `quit` (or Ctrl-D) to leave. The model may call its Python tool; the
+engine runs it (calculator, else the sandbox) and the output appears in the reply.
 """
 
 from __future__ import annotations
 
 import sys
 
+from flaxchat.chat_mode import MODE_HELP, MODES
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
 
@@ -27,6 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tools", action="store_true", help="do not run the model's Python tool calls")
+    p.add_argument("--mode", default="auto", choices=MODES, help=MODE_HELP + " (default: auto)")
     return p.parse_args(argv)
 
 
@@ -36,25 +41,36 @@ def main(argv=None) -> int:
         raise UserError("the prompt given with -p is empty; write something to say to the model.")
 
     # --- model, tokenizer, engine ---------------------------------------------------------------
+    from flaxchat import chat_mode
     from flaxchat.engine import Engine, make_sampling
     from flaxchat.loading import chat_prompt, load_model, stream_text
     make_sampling(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
     model, tokenizer, meta = load_model(args.run_dir, args.step)
     engine = Engine(model, tokenizer, tools=not args.no_tools)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    mode, why = chat_mode.resolve(meta, args.mode)
+    print(why, file=sys.stderr if args.prompt is not None else sys.stdout, flush=True)
 
     def reply(messages, turn) -> str:
+        if mode == "chat":
+            prompt, lead = chat_prompt(tokenizer, messages), ""
+        else:  # the text itself, continued: the continuation follows it on the same line
+            prompt, lead = chat_mode.completion_prompt(tokenizer, messages[-1]["content"]), messages[-1]["content"]
         pieces = []
-        for piece in stream_text(engine, tokenizer, chat_prompt(tokenizer, messages), seed=args.seed + turn, **sampling):
-            print(piece, end="", flush=True)
+        for piece in stream_text(engine, tokenizer, prompt, seed=args.seed + turn, **sampling):
+            print(lead + piece, end="", flush=True)  # the text with the first piece: after compile messages
+            lead = ""
             pieces.append(piece)
-        print(flush=True)
+        print(lead, flush=True)
         return "".join(pieces)
 
     # --- one prompt ----------------------------------------------------------------------------
     if args.prompt is not None:
         reply([{"role": "user", "content": args.prompt}], 0)
         return 0
+
+    if mode == "complete":
+        return complete_loop(args, model, meta, reply)
 
     # --- conversation loop ---------------------------------------------------------------------
     print(f"chatting with {args.run_dir} (step {meta.get('step')}, {model.config.n_layer} layers, "
@@ -84,6 +100,28 @@ def main(argv=None) -> int:
             print(f"\nerror: {e} Type 'clear' to start a new conversation.", flush=True)
             continue
         messages.append({"role": "assistant", "content": answer})
+        turn += 1
+
+
+def complete_loop(args, model, meta, reply) -> int:
+    """A base model: each line typed is a text to continue; nothing carries over between lines."""
+    print(f"continuing text with {args.run_dir} (step {meta.get('step')}, {model.config.n_layer} layers, "
+          f"context {model.config.sequence_len} tokens). 'quit' or Ctrl-D leaves.")
+    turn = 0
+    while True:
+        try:
+            text = input("\nText: ").strip()
+        except EOFError:
+            print()
+            return 0
+        if text.lower() in ("quit", "exit"):
+            return 0
+        if not text:
+            continue
+        try:
+            reply([{"role": "user", "content": text}], turn)
+        except UserError as e:  # e.g. a text longer than the context: say so, keep the session
+            print(f"\nerror: {e}", flush=True)
         turn += 1
 
 

@@ -8,6 +8,8 @@ answers a stream of server-sent events `data: {"token": "..."}` ending with `dat
 Several users at once: `--slots` replies are generated concurrently (one compiled engine shared by
 all), further requests wait in a queue (they get `{"queued": n}` events meanwhile) and are refused
 with 503 only past `--max-queue`. Bad requests get HTTP 400 with one sentence in {"error": ...}.
+A model finetuned by scripts.sft or scripts.rl chats; a base model (pretraining only) continues the
+last message's text instead (`--mode` overrides; `/health` and the page say which).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotation by name
 
 import flaxchat
+from flaxchat.chat_mode import MODE_HELP, MODES
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
 
@@ -130,12 +133,15 @@ class SlotPool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), name: str = "flaxchat"):
+def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), name: str = "flaxchat",
+               mode: str = "chat"):
     """The FastAPI app around one engine. Generation runs in `slots` worker threads (JAX releases the
-    GIL while it computes), tokens travel to the event loop through a queue per request."""
+    GIL while it computes), tokens travel to the event loop through a queue per request. `mode`:
+    "chat" renders the conversation with the chat template, "complete" continues the last message."""
     from fastapi import FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
+    from flaxchat.chat_mode import completion_prompt
     from flaxchat.loading import chat_prompt, stream_text
 
     state = dict(pool=None, started=time.time(), warm=False)
@@ -166,14 +172,17 @@ def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), 
     @app.get("/health")
     async def health():
         p = pool()
-        return dict(status="ok", model=name, context=context, warm=state["warm"], slots=p.slots, busy=p.busy, queued=p.waiting,
+        return dict(status="ok", model=name, mode=mode, context=context, warm=state["warm"], slots=p.slots, busy=p.busy, queued=p.waiting,
                     served=p.served, uptime_s=round(time.time() - state["started"], 1))
 
     @app.post("/chat/completions")
     async def chat(request: Request):
         try:
             req = parse_request(await request.body(), limits)
-            prompt = chat_prompt(tokenizer, req["messages"])
+            if mode == "chat":
+                prompt = chat_prompt(tokenizer, req["messages"])
+            else:
+                prompt = completion_prompt(tokenizer, req["messages"][-1]["content"])
         except (BadRequest, UserError) as e:
             return error(400, str(e))
         if len(prompt) >= context:
@@ -252,6 +261,7 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=2, help="replies generated at once (default: 2)")
     p.add_argument("--no-tools", action="store_true", help="do not run the model's Python tool calls")
+    p.add_argument("--mode", default="auto", choices=MODES, help=MODE_HELP + " (default: auto)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile for a short chat at start-up (default: on)")
     d = Limits()
@@ -271,13 +281,17 @@ def main(argv=None) -> int:
     limits.check()
     import uvicorn
 
+    from flaxchat.chat_mode import resolve
     from flaxchat.engine import Engine
     from flaxchat.loading import load_model
 
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     model, tokenizer, meta = load_model(args.run_dir, args.step)
     engine = Engine(model, tokenizer, tools=not args.no_tools)
-    app = create_app(engine, tokenizer, slots=args.slots, limits=limits, name=f"{args.run_dir} step {meta.get('step')}")
+    mode, why = resolve(meta, args.mode)
+    print(why, flush=True)
+    app = create_app(engine, tokenizer, slots=args.slots, limits=limits, name=f"{args.run_dir} step {meta.get('step')}",
+                     mode=mode)
     if args.warmup:  # compile the common shapes now, in the background, so /health answers at once
         threading.Thread(target=warm_up, args=(engine, tokenizer, app, limits.default_max_tokens), daemon=True).start()
     print(f"serving {args.run_dir} (step {meta.get('step')}) on http://{args.host}:{sock.getsockname()[1]} "

@@ -104,7 +104,7 @@ def _run(tc: TrainConfig) -> dict:
 
     from flaxchat import paths, sharding
     from flaxchat.common import (compute_init, device_peak_flops, fmt_duration, gather_streams, global_batch,
-                                 local_streams, peak_rss_mb, print0)
+                                 local_streams, peak_rss_mb, print0, spec_peak_flops)
     from flaxchat.config import GPTConfig, config_for_depth
     from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
     from flaxchat.data.prefetch import Prefetcher
@@ -112,6 +112,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
     from flaxchat.progress import Progress
+    from flaxchat.rates import Peak, StepRate
     from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
@@ -288,8 +289,14 @@ def _run(tc: TrainConfig) -> dict:
     # --- training loop ----------------------------------------------------------------------------
     progress = Progress("pretrain", steps=steps, process=compute.process_index, run_dir=tc.run_dir)
     progress.update(step, force=True)
-    peak = device_peak_flops(compute) * compute.device_count
+    # MFU against a peak that cannot be exceeded (the spec sheet's, or the best of this run's
+    # measured ones); the ETA from a smoothed step rate, evaluations and saves included.
+    spec = spec_peak_flops()
+    peak = Peak(spec=spec * compute.device_count if spec else None,
+                probe=lambda: device_peak_flops(compute, measure=True) * compute.device_count, log=print0)
+    rate = StepRate()
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
+    t_rate, step_rate_from, tps = None, step, None
     last_bpb = None
     step_fn = StepLoop(model, optimizer)  # model and optimizer hold its arrays after step_fn.sync()
     with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
@@ -301,11 +308,12 @@ def _run(tc: TrainConfig) -> dict:
             step += 1
             if progress.due():
                 loss.block_until_ready()  # progress means a finished step, not a dispatched one
-                progress.update(step)
+                progress.update(step, loss=float(loss), tok_s=tps)
             if compile_s is None:
                 loss.block_until_ready()
                 compile_s = time.time() - t0
                 t_window, tokens_window, t_loop = time.time(), 0, time.time()
+                t_rate, step_rate_from = time.time(), step
                 print0(f"compiled the train step in {compile_s:.1f}s")
             else:
                 tokens_window += total
@@ -316,10 +324,12 @@ def _run(tc: TrainConfig) -> dict:
                 smooth = lossf if smooth is None else 0.9 * smooth + 0.1 * lossf
                 dt = max(time.time() - t_window, 1e-9)
                 tps = tokens_window / dt if tokens_window else 0.0
-                mfu = 100 * tps * flops_per_token / peak if tps else 0.0
-                eta = (steps - step) * total / tps if tps else 0.0
+                mfu = peak.mfu(tps * flops_per_token)
+                if t_rate is not None:  # wall time since the last line, evaluations and saves included
+                    rate.update(step - step_rate_from, time.time() - t_rate)
+                    t_rate, step_rate_from = time.time(), step
                 print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | lr x{float(schedule.lr_multiplier(step - 1)):.2f} | "
-                       f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {fmt_duration(eta)}")
+                       f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {rate.eta_text(steps - step)}")
                 if compute.is_main:
                     metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, time=time.time())
                 t_window, tokens_window = time.time(), 0

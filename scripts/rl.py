@@ -111,6 +111,7 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.engine import Engine
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
+    from flaxchat.rates import StepRate
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.stage import StopOnCtrlC
     from flaxchat.tools import calculate
@@ -170,6 +171,7 @@ def _run(cfg: RLConfig) -> dict:
     def save(at):
         stage.save(at, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
 
+    rate = StepRate()  # the ETA's smoothed rate (flaxchat.rates): one step's time swings with its rollouts
     with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
         while step < cfg.steps:
             ctrl_c.stop_here(step, stage.checkpointer, save)
@@ -180,13 +182,15 @@ def _run(cfg: RLConfig) -> dict:
                         global_from_full(compute, weights))
             refresh_engine()
             step += 1
+            if step > stage.step + 1:  # the first step compiles; later ones are the rate
+                rate.update(1, time.time() - t0)
             if stage.progress.due():
                 stage.progress.update(step)
             recent.append(float(rewards.mean()))
             if step % cfg.log_every == 0 or step == cfg.steps:
                 mean_r = sum(recent) / len(recent)
                 print0(f"step {step:05d}/{cfg.steps:05d} | mean reward {mean_r:.3f} | sampling {t_gen:.1f}s | "
-                       f"step {time.time() - t0:.1f}s | eta {fmt_duration((cfg.steps - step) * (time.time() - t0))}")
+                       f"step {time.time() - t0:.1f}s | eta {rate.eta_text(cfg.steps - step)}")
                 if compute.is_main:
                     metrics.append(kind="train", step=step, loss=1.0 - mean_r, reward=mean_r, time=time.time())
                 recent = []

@@ -112,6 +112,7 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.common import fmt_duration, gather_streams, global_batch, local_streams, print0
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
+    from flaxchat.rates import StepRate
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.stage import StopOnCtrlC
     from flaxchat.train import StepLoop, loss_sum
@@ -174,7 +175,8 @@ def _run(cfg: SFTConfig) -> dict:
     # --- training loop ---------------------------------------------------------------------------
     metrics = MetricsLog(stage.folder.metrics)
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
-    t_window, tokens_window = time.time(), 0
+    t_window, tokens_window, tps = time.time(), 0, None
+    rate, t_rate, rate_from = StepRate(), time.time(), step  # the ETA's smoothed rate (flaxchat.rates)
     step_fn = StepLoop(model, stage.optimizer)  # model and optimizer hold its arrays after step_fn.sync()
     with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
         while step < steps:
@@ -183,18 +185,23 @@ def _run(cfg: SFTConfig) -> dict:
             loss = step_fn(x, y)
             step += 1
             tokens_window += x.size
+            if step == stage.step + 1:  # the first step compiles: the ETA's rate starts after it
+                loss.block_until_ready()
+                t_rate, rate_from = time.time(), step
             if stage.progress.due():
                 loss.block_until_ready()  # progress means a finished step
-                stage.progress.update(step)
+                stage.progress.update(step, loss=float(loss), tok_s=tps)
             if step % cfg.log_every == 0 or step == steps:
                 lossf = float(loss)
                 if not math.isfinite(lossf):
                     raise UserError(f"the loss became {lossf} at step {step}; lower --lr-frac.")
                 smooth = lossf if smooth is None else 0.8 * smooth + 0.2 * lossf
                 tps = tokens_window / max(time.time() - t_window, 1e-9)
+                rate.update(step - rate_from, time.time() - t_rate)
+                t_rate, rate_from = time.time(), step
                 print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | trained tokens {100 * frac:.0f}% | "
                        f"epoch {loaders[0].epochs_done:.2f} | tok/s {tps:,.0f} | "
-                       f"eta {fmt_duration((steps - step) * x.size / max(tps, 1e-9))}")
+                       f"eta {rate.eta_text(steps - step)}")
                 if compute.is_main:
                     metrics.append(kind="train", step=step, loss=lossf, time=time.time())
                 t_window, tokens_window = time.time(), 0

@@ -32,11 +32,36 @@ def typing(monkeypatch, lines):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def tokenizer():
     from flaxchat.data.stories import StoriesCorpus
     from flaxchat.tokenizer import Tokenizer
-    tok = Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], 512, max_chars=200_000)
-    return save_run(tmp_path_factory.mktemp("chat") / "run", nonzero_model(seed=3), tok, step=7)
+    return Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], 512, max_chars=200_000)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tokenizer):
+    """A chat model: its checkpoint says scripts.sft made it, as a real SFT checkpoint does."""
+    return save_run(tmp_path_factory.mktemp("chat") / "run", nonzero_model(seed=3), tokenizer, step=7,
+                    meta={"stage": "sft"})
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tokenizer):
+    """A base model: a checkpoint as scripts.pretrain leaves it (no stage)."""
+    return save_run(tmp_path_factory.mktemp("base") / "run", nonzero_model(seed=3), tokenizer, step=5)
+
+
+@pytest.fixture
+def prompts(monkeypatch):
+    """The token ids the real engine is handed, in order."""
+    from flaxchat.engine import Engine
+    seen, generate = [], Engine.generate
+
+    def recording(self, tokens, *args, **kwargs):
+        seen.append(list(tokens))
+        return generate(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(Engine, "generate", recording)
+    return seen
 
 
 def test_load_model_finds_run_checkpoints_and_step_folders(run_dir):
@@ -90,3 +115,30 @@ def test_unknown_checkpoint_from_the_real_command(tmp_path):
 def test_a_folder_without_checkpoints(tmp_path, capsys):
     assert cli_main(chat_cli.main, ["--run-dir", str(tmp_path), "-p", "hi"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_a_base_model_continues_the_text_and_a_chat_model_chats(run_dir, base_dir, tokenizer, prompts, capsys):
+    from flaxchat.loading import chat_prompt
+    text = "Once upon a time"
+    as_text = tokenizer.encode(text, prepend=tokenizer.bos_token_id)
+    as_turn = chat_prompt(tokenizer, [{"role": "user", "content": text}])
+    rc = cli_main(chat_cli.main, ["--run-dir", str(base_dir), "-p", text, "--max-tokens", "6", "-t", "0"])
+    out = capsys.readouterr()
+    assert rc == 0 and prompts[-1] == as_text  # no chat template around the text
+    assert out.out.startswith(text) and "mode: complete: a base model (pretraining only)" in out.err
+    rc = cli_main(chat_cli.main, ["--run-dir", str(run_dir), "-p", text, "--max-tokens", "6", "-t", "0"])
+    out = capsys.readouterr()
+    assert rc == 0 and prompts[-1] == as_turn and "mode: chat: a chat model (made by scripts.sft)" in out.err
+    # The flag overrides what the checkpoint says, both ways.
+    cli_main(chat_cli.main, ["--run-dir", str(base_dir), "-p", text, "--max-tokens", "2", "--mode", "chat"])
+    assert prompts[-1] == as_turn and "mode: chat (--mode chat" in capsys.readouterr().err
+    cli_main(chat_cli.main, ["--run-dir", str(run_dir), "-p", text, "--max-tokens", "2", "--mode", "complete"])
+    assert prompts[-1] == as_text
+
+
+def test_interactive_base_model_continues_each_line_on_its_own(base_dir, tokenizer, prompts, capsys, monkeypatch):
+    typing(monkeypatch, ["Once upon a time", "The old dog", "quit"])
+    rc = cli_main(chat_cli.main, ["--run-dir", str(base_dir), "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("mode: complete") and out.count("Text: ") == 3 and "Assistant" not in out
+    assert prompts == [tokenizer.encode(t, prepend=tokenizer.bos_token_id) for t in ("Once upon a time", "The old dog")]

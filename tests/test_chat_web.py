@@ -101,6 +101,34 @@ def test_health_and_page(server):
 
 
 @pytest.mark.timeout(120)
+def test_a_base_model_continues_the_last_message_and_health_says_so(tokenizer, monkeypatch):
+    seen, generate = [], Engine.generate
+
+    def recording(self, tokens, *args, **kwargs):  # the token ids the real engine is handed
+        seen.append(list(tokens))
+        return generate(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(Engine, "generate", recording)
+    srv = Server(chat_web.create_app(Engine(nonzero_model(seed=5), tokenizer), tokenizer, mode="complete"))
+    try:
+        assert requests.get(srv.url + "/health", timeout=5).json()["mode"] == "complete"
+        status, text, events = chat(srv.url, [{"role": "user", "content": "Once upon a time"}], max_tokens=6,
+                                    temperature=0.0)
+        assert status == 200 and events[-1] == {"done": True}
+        assert seen[-1] == tokenizer.encode("Once upon a time", prepend=tokenizer.bos_token_id)  # no template
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("meta,asked,mode", [({"stage": "sft"}, "auto", "chat"), ({"stage": "rl"}, "auto", "chat"),
+                                             ({}, "auto", "complete"), ({"train_config": {}}, "chat", "chat"),
+                                             ({"stage": "sft"}, "complete", "complete")])
+def test_the_mode_comes_from_the_stage_that_made_the_checkpoint_unless_the_flag_says(meta, asked, mode):
+    from flaxchat.chat_mode import resolve
+    got, why = resolve(meta, asked)
+    assert got == mode and why.startswith(f"mode: {mode}")
+
+
+@pytest.mark.timeout(120)
 def test_streamed_reply_and_multi_turn(server):
     status, text, events = chat(server.url, [{"role": "user", "content": "Hello!"}], max_tokens=12, temperature=0.0)
     assert status == 200 and events[-1] == {"done": True}

@@ -155,12 +155,16 @@ def test_describe_has_googles_json_shape(emu):
 
 @pytest.mark.timeout(60)
 def test_creating_becomes_ready_after_the_delay(emu, monkeypatch):
-    monkeypatch.setenv(emulator.DELAY_ENV, "0.6")
+    # The emulated cloud's clock is set, not slept through: a loaded machine that takes longer than
+    # the delay to start the next gcloud must not see READY early (a 0.6 s window failed that way).
+    monkeypatch.setenv(emulator.DELAY_ENV, "60")
+    monkeypatch.setenv(emulator.CLOCK_ENV, "1000000")
     gc("compute", "tpus", "tpu-vm", "create", "t", f"--project={P}", f"--zone={Z}", "--accelerator-type=v4-8",
        "--version=v", "--async", check=True)
     describe = ["compute", "tpus", "tpu-vm", "describe", "t", f"--project={P}", f"--zone={Z}", "--format=json"]
+    monkeypatch.setenv(emulator.CLOCK_ENV, "1000059.9")
     assert json.loads(gc(*describe).stdout)["state"] == "CREATING"
-    time.sleep(0.7)
+    monkeypatch.setenv(emulator.CLOCK_ENV, "1000060")
     assert json.loads(gc(*describe).stdout)["state"] == "READY"
 
 

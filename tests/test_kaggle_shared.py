@@ -31,6 +31,28 @@ TOKEN = "kaggle-tab-7c2e"
 SECRET = "hf_s3cr3t-value-never-shown"
 quiet = lambda stream, text: None  # noqa: E731
 TAB_CELL = "import time\nfor i in range({n}):\n    print('tab', i, flush=True)\n    time.sleep(0.25)\n'tab done'"
+# The same cell, then busy until the test releases it (a file appears; 90 s at most): a cell of fixed
+# length left a window that a loaded machine closed before the runner's request arrived behind it.
+HELD_CELL = ("import os, time\nfor i in range({n}):\n    print('tab', i, flush=True)\n    time.sleep(0.25)\n"
+             "deadline = time.time() + 90\nwhile not os.path.exists({release!r}) and time.time() < deadline:\n"
+             "    time.sleep(0.05)\n'tab done'")
+
+
+def held(tab, tmp_path, n, name):
+    """Start HELD_CELL in the tab and wait until it runs; returns (its msg id, the release file)."""
+    release = tmp_path / f"release-{name}"
+    cell = tab.execute(HELD_CELL.format(n=n, release=str(release)))
+    until(lambda: "tab 0" in tab.outputs(cell), 30, "the tab's cell to start")
+    return cell, release
+
+
+def until(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +156,12 @@ def test_index_reachability(monkeypatch):
 def test_run_timeout_behind_the_tabs_cell_is_queued_not_an_interrupt(seeded, tab, tmp_path):
     runner = seeded["runner"]
     side = tmp_path / "ran.txt"
-    cell = tab.execute(TAB_CELL.format(n=12))
-    time.sleep(0.5)
+    cell, release = held(tab, tmp_path, 12, "a")
     res = runner.run(f"open({str(side)!r}, 'w').write('ran')", timeout=1.0, on_output=quiet, env={"K": "v"})
     assert not res.ok and res.state == "queued" and "cancelled" in res.error_value and res.request_id
     assert not list((Path(seeded["info"]["src"]).parent / "cells").glob("env-*"))  # its env file is gone too
     assert runner.status().state == "queued"
+    release.touch()
     assert tab.wait_idle(cell, 30)
     assert tab.reply(cell)["status"] == "ok" and tab.outputs(cell).count("tab ") == 12  # never interrupted
     after = runner.run("print('next')", timeout=30, on_output=quiet)
@@ -147,15 +169,14 @@ def test_run_timeout_behind_the_tabs_cell_is_queued_not_an_interrupt(seeded, tab
     assert not side.exists()  # the cancelled request never ran
 
     # stop() from another thread while our run() waits behind the tab's cell: cancelled, not an interrupt
-    cell = tab.execute(TAB_CELL.format(n=12))
-    time.sleep(0.5)
+    cell, release = held(tab, tmp_path, 12, "b")
     box = {}
     worker = threading.Thread(target=lambda: box.update(res=runner.run(
         f"open({str(side)!r}, 'w').write('ran')", timeout=30, on_output=quiet)))
     worker.start()
-    time.sleep(0.5)
-    assert runner.status().state == "running"
-    runner.stop()
+    until(lambda: runner.status().state == "running", 30, "the run to be submitted")
+    runner.stop()  # while the tab's cell still runs; the cancelled run() returns once that cell ends
+    release.touch()
     worker.join(30)
     assert box["res"].state == "queued" and not box["res"].ok and "did not run" in box["res"].error_value
     assert tab.wait_idle(cell, 30) and tab.reply(cell)["status"] == "ok" and tab.outputs(cell).count("tab ") == 12
@@ -184,14 +205,14 @@ def test_job_wait_status_stop_with_the_tab_busy_and_the_secret_unseen(seeded, ta
 
     runner.run_pipeline(command=[str(script), "--steps=400", "--sleep=0.05", "--run-dir={run_dir}"], name="to-stop",
                         secrets={"HF_TOKEN": SECRET})
-    cell = tab.execute(TAB_CELL.format(n=40))
-    time.sleep(0.5)
+    cell, release = held(tab, tmp_path, 40, "c")
     t0 = time.monotonic()
     runner.stop()  # the tab's cell runs: the job goes, that cell stays
     assert time.monotonic() - t0 < 20
     res = runner.wait(timeout=20, on_output=quiet, poll_interval=0.2)
     assert not res.ok and res.exit_codes == {0: 143} and runner.status().state == "failed"
     assert server_kernel_state(seeded) == "busy"  # still the tab's cell
+    release.touch()
     assert tab.wait_idle(cell, 40) and tab.reply(cell)["status"] == "ok" and tab.outputs(cell).count("tab ") == 40
     assert not any(SECRET in frame for frame in tab.raw), "the secret reached another client"
 

@@ -15,6 +15,7 @@ scripts.pretrain on a 2-worker pod.
 """
 
 import json
+import re
 import os
 import pathlib
 import shlex
@@ -274,6 +275,10 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
     assert code == 0, err
     assert f"acting on TPU VM '{NAME}' (v4-16, zone {Z}, project {P}; from the command line)" in err
     assert "READY with 2 worker(s)" in err
+    # Setup ends with one line per worker from its venv: the Python, jax and flaxchat the run will use.
+    last = err.strip().splitlines()[-2:]
+    assert [x.split(":")[0] for x in last] == ["worker 0", "worker 1"], err
+    assert all(re.match(r"worker \d: ready: Python 3\.1[1-9]\.\d+, jax (\d\S*|missing), flaxchat \S+$", x) for x in last), last
     for w in (0, 1):
         home = worker_home(w)
         assert os.path.exists(os.path.join(home, "flaxchat", "standin.py"))
@@ -282,6 +287,7 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
         assert not os.path.exists(os.path.join(home, "flaxchat", "ignored.txt"))  # .gitignore honoured
     code, _, err = cli(capsys, f"--project={P}", "--setup", f"--upload={repo}")
     assert code == 0 and "remembered in" in err and "up to date on all 2 worker(s)" in err
+    assert err.strip().splitlines()[-1].startswith("worker 1: ready: Python 3.")
     # The create is idempotent, and a PREEMPTED VM is deleted before it is made again.
     recorded = []
     lc = launcher(pod, recorded=recorded)
@@ -867,7 +873,7 @@ def test_dry_run_prints_the_commands_and_changes_nothing(tmp_path, capsys, monke
     assert any(" scp " in x and "--worker=all" in x for x in lines)
     assert any("worker.py start" in x and "scripts.pretrain --run-dir=gs://b/d" in x and "--venv .flaxchat/venv" in x
                and "--marker gs://b/d/COMPLETE" in x for x in lines)  # the stage is told its folder, and waited on
-    assert '"$UV" venv --python 3.11' in out and ".[tpu,gcs]" in out  # gs:// run folder: gcsfs too
+    assert '"$UV" venv --python 3.11' in out and ".[tpu,gcs,hub]" in out  # gs:// run folder: gcsfs too; hf: data
     assert not os.path.exists(tmp_path / "launcher.json")
     code, out, err = cli(capsys, f"--project={P}", "--zone=us-east5-b", "--tpu-name=s", "--accelerator=v5litepod-16",
                          "--spot", "--create", "--dry-run")  # the queued resource is polled, as if ACTIVE

@@ -186,15 +186,16 @@ def test_counters_track_restarts_and_unreachable_streaks():
 class FakePod:
     """Scripted observations; the actions record themselves (and may fail)."""
 
-    def __init__(self, script, fail=()):
+    def __init__(self, script, fail=(), fail_always=()):
         self.script, self.fail, self.calls = list(script), set(fail), []
+        self.fail_always = set(fail_always)
 
     def observe(self):
         return self.script.pop(0) if len(self.script) > 1 else self.script[0]
 
     def _act(self, name):
         self.calls.append(name)
-        if name in self.fail:
+        if name in self.fail or name in self.fail_always:
             self.fail.discard(name)
             raise RemoteError(f"{name} failed: RESOURCE_EXHAUSTED")
 
@@ -250,6 +251,17 @@ def test_loop_gives_up_after_bounded_restarts():
     d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
     assert d.action is Action.GIVE_UP and "restarted 3 times" in d.reason
     assert pod.calls == ["restart"] * 3
+
+
+def test_loop_gives_up_on_a_command_that_exits_at_once_every_time_it_is_started():
+    # Seen in the launcher rehearsal: `--recover "gcloud storage cp ... && python -m scripts.sft ..."`
+    # whose first part failed at once was started again every 11 s for ever.
+    none = WorkerObs(state="none", run_id=None)
+    pod = FakePod([obs(none, none, run_id=None)], fail_always={"start"})
+    clock, logs = FakeClock(), []
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=logs.append)
+    assert d.action is Action.GIVE_UP and "could not be started 3 times" in d.reason
+    assert pod.calls == ["start"] * 3 and sum("start failed" in line for line in logs) == 3
 
 
 def test_loop_timeout_is_a_give_up():

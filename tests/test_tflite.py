@@ -1,7 +1,7 @@
 """TFLite: the LiteRT interpreter against JAX (forward, prefill + KV-cache decode, greedy tokens), int8.
 
 Runs the conversion through `scripts.convert_to_tflite` on the tiny trained model of test_export.
-Tests that need the optional converter/interpreter skip, saying so, when `flaxchat[export]` is not
+Tests that need the optional converter/interpreter skip, saying so, when the `export` extra is not
 installed; the "converter missing" message is tested either way.
 """
 
@@ -20,7 +20,7 @@ from test_export import TINY, logits, run  # noqa: F401  (run: the shared sessio
 
 HAVE_LITERT = all(importlib.util.find_spec(m) is not None for m in ("litert_converter", "ai_edge_litert"))
 needs_litert = pytest.mark.skipif(not HAVE_LITERT, reason="the export extra (litert-converter, ai-edge-litert) "
-                                  "is not installed: pip install 'flaxchat[export]'")
+                                  "is not installed: pip install -e \".[export]\"")
 T = TINY.sequence_len
 
 
@@ -122,7 +122,7 @@ def test_missing_converter_is_one_sentence(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "litert_converter", None)  # as if it were not installed
     out = tmp_path / "model.tflite"
     rc, err = _convert([f"--checkpoint={tmp_path / 'model.pkl'}", f"--output={out}"], capsys)
-    assert rc == 2 and len(err) == 1 and "pip install 'flaxchat[export]'" in err[0]
+    assert rc == 2 and len(err) == 1 and 'pip install -e ".[export]"' in err[0] and "flaxchat[export]" not in err[0]
     assert not out.exists()
 
 

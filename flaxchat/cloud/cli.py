@@ -138,6 +138,9 @@ def _dry_run_executor(config: TPUConfig, exists: bool) -> g.DryRunExecutor:
                 return json.dumps({"state": {"state": "ACTIVE"}})
             return json.dumps({"state": "READY", "acceleratorType": config.accelerator_type,
                                "networkEndpoints": [{"ipAddress": f"10.128.0.{i + 2}"} for i in range(n)]})
+        if verb == "ssh" and argv[-1].endswith(" versions"):
+            return "\n".join("FLAXCHAT " + json.dumps({"worker": i, "python": "(dry run)", "jax": "(dry run)",
+                                                        "flaxchat": "(dry run)"}) for i in range(n))
         if verb == "ssh" and "status" in argv[-1]:
             return "\n".join("FLAXCHAT " + json.dumps({"worker": i, "state": "none", "alive": False}) for i in range(n))
         return ""

@@ -214,6 +214,11 @@ def probe_command() -> str:
                        "--cwd", REMOTE_REPO])
 
 
+def versions_command() -> str:
+    """Python, jax and flaxchat as the setup's venv sees them, one JSON line per worker."""
+    return shlex.join([f"{REMOTE_VENV}/bin/python", WORKER_PY, "versions"])
+
+
 def checkpoints_command(checkpoint_dir: str) -> str:
     return _worker_py("checkpoints", "--dir", checkpoint_dir, "--cwd", REMOTE_REPO)
 

@@ -90,7 +90,8 @@ class TPUConfig:
         return [self.zone] + [z for z in self.zones if z != self.zone]
 
     def install_for(self, gcs: bool) -> str:
-        return self.install_command or g.default_install(("tpu", "gcs") if gcs else ("tpu",))
+        # hub: huggingface_hub, so that `--data=hf:...` works on the workers as it does here.
+        return self.install_command or g.default_install(("tpu", "gcs", "hub") if gcs else ("tpu", "hub"))
 
 
 def executor_for(config: TPUConfig) -> g.GcloudExecutor:
@@ -431,7 +432,7 @@ class TPULauncher(RemoteRunner):
             have = self._ssh(g.setup_marker_command(), check=False, timeout=300).stdout.split()
             if have.count(digest) >= n:
                 self.say(f"setup is up to date on all {n} worker(s) ({digest})")
-                return
+                return self._report_ready(n)
             skipped = uploads.skipped_secrets(root)
             self.say(f"uploading {len(files)} tracked files to {n} worker(s)"
                      + (f"; left behind as secrets: {', '.join(skipped)}" if skipped else ""))
@@ -439,6 +440,24 @@ class TPULauncher(RemoteRunner):
         self._ssh(g.unpack_command(), timeout=600)
         self.say(f"installing on {n} worker(s) into ~/{g.REMOTE_VENV}: {install}")
         self._ssh(g.install_command(digest, install), timeout=3600)  # the workers' marker is the truth
+        self._report_ready(n)
+
+    def _report_ready(self, n: int) -> None:
+        """One line per worker, from its venv: what the run will use. A worker that cannot say is a
+        failed setup (retried), not a silent success."""
+        res = self._ssh(g.versions_command(), check=False, timeout=300)
+        found = g.parse_worker_lines(res.stdout)
+        for i in range(n):
+            w = found.get(i)
+            if w:
+                self.say(f"worker {i}: ready: Python {w.get('python')}, jax {w.get('jax') or 'missing'}, "
+                          f"flaxchat {w.get('flaxchat') or 'missing'}")
+            else:
+                self.say(f"worker {i}: not ready: its venv did not answer")
+        missing = [i for i in range(n) if i not in found]
+        if missing:
+            raise g.GcloudError(f"worker(s) {missing} of TPU VM {self.config.tpu_name} did not report their "
+                                f"Python, jax and flaxchat after setup: {g.one_line(res.stderr + res.stdout)}")
 
     # --- run / stop / status ----------------------------------------------------------------------
 

@@ -150,6 +150,8 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
     def foreign(w):  # not running our command at all (never started it, or an older run)
         return w.state == "none" or (obs.run_id is not None and w.run_id != obs.run_id)
     if all(foreign(w) for w in obs.workers):
+        if counters.restarts >= policy.max_restarts:  # failed starts count (recover_loop): a bad command
+            return Decision(Action.GIVE_UP, f"the command could not be started {counters.restarts} times in a row")
         return Decision(Action.START, "the command is not running on the workers yet")
     crashed = [(i, w) for i, w in enumerate(obs.workers)
                if foreign(w) or w.state == "killed" or (w.state == "exited" and w.exit_code != 0)]
@@ -253,6 +255,8 @@ def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: P
                 actions.start()
         except RemoteError as e:
             log(f"[recover +{clock() - t0:.0f}s] {decision.action.value} failed: {e}")
+            if decision.action is Action.START:  # a command that exits at once was started for ever
+                counters = dataclasses.replace(counters, restarts=counters.restarts + 1)
         sleep(decision.delay if decision.action is Action.WAIT and decision.delay else policy.poll_s)
 
 

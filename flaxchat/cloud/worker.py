@@ -6,6 +6,7 @@
     python3 flaxchat/cloud/worker.py stop
     python3 flaxchat/cloud/worker.py probe --env-file F --cwd DIR   # JAX devices, one JSON line
     python3 flaxchat/cloud/worker.py checkpoints --dir D --cwd DIR  # complete / partial Orbax steps
+    VENV/bin/python flaxchat/cloud/worker.py versions             # Python, jax, flaxchat of that venv
 
 Standard library only and run by path with the image's own python3 (3.10 on Google's TPU images),
 so it works on a fresh VM before anything is installed. `start` hands the command to a supervisor in
@@ -402,6 +403,20 @@ def probe(env_file: str, cwd: str) -> dict:
             "process_index": jax.process_index()}
 
 
+def versions() -> dict:
+    """What a finished setup left on this worker, run by its venv's python: the line `--setup`
+    ends with. Read from the installed packages' metadata, so nothing heavy is imported."""
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+    return {"worker": worker_id(), "python": ".".join(map(str, sys.version_info[:3])), "jax": version("jax"),
+            "jaxlib": version("jaxlib"), "flaxchat": version("flaxchat")}
+
+
 def checkpoints(directory: str, cwd: str = ".") -> dict:
     """Orbax steps in a folder on this worker's disk: `complete` and `partial` (a save cut short).
     (A gs:// folder is listed by the launcher itself: it needs no VM.) On a local disk Orbax writes
@@ -421,7 +436,8 @@ def checkpoints(directory: str, cwd: str = ".") -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="worker.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("verb", choices=["start", "_supervise", "status", "stop", "logs", "probe", "checkpoints"])
+    ap.add_argument("verb", choices=["start", "_supervise", "status", "stop", "logs", "probe", "checkpoints",
+                                     "versions"])
     ap.add_argument("--dir", default="", help="checkpoints: the checkpoint folder")
     ap.add_argument("--state-dir", default=os.environ.get("FLAXCHAT_WORKER_STATE", DEFAULT_STATE))
     ap.add_argument("--run-id", default="run")
@@ -452,6 +468,8 @@ def main(argv=None) -> int:
         out = stop(args.state_dir)
     elif args.verb == "probe":
         out = probe(args.env_file, args.cwd)
+    elif args.verb == "versions":
+        out = versions()
     else:
         out = checkpoints(args.dir, args.cwd)
     print("FLAXCHAT " + json.dumps(out), flush=True)

@@ -365,7 +365,7 @@ def hub_files(spec: str, split: str) -> tuple[list[str], bool, dict]:
         import huggingface_hub
         from huggingface_hub import constants
     except ImportError:
-        raise UserError(f"reading '{spec}' needs the huggingface_hub package (pip install 'flaxchat[hub]'); "
+        raise UserError(f"reading '{spec}' needs the huggingface_hub package (pip install -e '.[hub]' in the flaxchat checkout); "
                         f"{OFFLINE_HINT}") from None
     repo, revision = opts["repo"], opts["revision"]
     offline = bool(getattr(constants, "HF_HUB_OFFLINE", False))

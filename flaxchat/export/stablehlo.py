@@ -53,7 +53,8 @@ def save_stablehlo(model, path: str, seq_len: int | None = None, platforms: tupl
         blob = exported.serialize()
     except ImportError as e:  # jax.export serializes with flatbuffers, which jax does not install
         raise UserError(f"writing {os.path.basename(path)} needs the '{e.name or 'flatbuffers'}' package: "
-                        "pip install 'flaxchat[export]' (or just flatbuffers).") from None
+                        "pip install flatbuffers (a dependency of flaxchat: pip install -e . in its checkout "
+                        "installs it).") from None
     mlir_path = os.path.splitext(path)[0] + ".mlir"
     atomic_write(mlir_path, lambda f: f.write(exported.mlir_module()), mode="w")
     return atomic_write(path, lambda f: f.write(blob)), mlir_path

@@ -32,9 +32,12 @@ from flaxchat.export.formats import atomic_write
 from flaxchat.export.stablehlo import check_seq_len
 
 CONVERTER_VERSION = "0.5.0"
-INSTALL_HINT = ("pip install 'flaxchat[export]' (litert-converter==0.5.0 and ai-edge-litert==2.3.0); "
-                "next to the test extra use `pip install --no-deps litert-converter==0.5.0`, whose xdsl pin "
-                "clashes with jupyter's typing-extensions")
+# flaxchat is installed from its checkout, not from PyPI: `pip install 'flaxchat[export]'` answered
+# "No matching distribution found for flaxchat".
+INSTALL_HINT = ('in the flaxchat checkout, pip install -e ".[export]" (litert-converter 0.5.0, ai-edge-litert '
+                '2.3.0); where the test extra is installed too, whose jupyter needs a newer typing-extensions than '
+                'the converter\'s xdsl pin allows, use pip install "ai-edge-litert==2.3.0" && pip install --no-deps '
+                '"litert-converter==0.5.0" instead (flaxchat never imports xdsl)')
 
 
 def require_converter():

@@ -55,6 +55,10 @@ from flaxchat.cloud.topology import TOPOLOGIES
 
 STATE_ENV = "FLAXCHAT_GCLOUD_EMULATOR_DIR"
 DELAY_ENV = "FLAXCHAT_GCLOUD_EMULATOR_CREATE_SECONDS"
+# The emulated cloud's clock, in seconds since the epoch (default: the real one). A test sets it
+# so that "CREATING until the delay has passed" holds however slowly a loaded machine starts the
+# next `gcloud` process: a 0.6 s delay checked against the real clock failed under load.
+CLOCK_ENV = "FLAXCHAT_GCLOUD_EMULATOR_NOW"
 # Every process of a worker carries it, so preempt and delete find them all. Its value starts with the
 # VM's folder, which lies under this emulator's state root: two emulated clouds (two test workers,
 # each with its own root) may both have a VM called "pod", and a preemption of one must not kill the other.
@@ -95,6 +99,10 @@ class GcloudFail(Exception):
 
 def state_root() -> str:
     return os.path.expanduser(os.environ.get(STATE_ENV) or os.path.join("~", ".flaxchat", "emulator"))
+
+
+def _now() -> float:
+    return float(os.environ.get(CLOCK_ENV) or time.time())
 
 
 def _now_iso() -> str:
@@ -153,7 +161,7 @@ def load_node(project, zone, name, verb="describe"):
     node = _read(_node_file(project, zone, name))
     if node is None:
         raise GcloudFail(f"NOT_FOUND: Resource 'projects/{project}/locations/{zone}/nodes/{name}' was not found")
-    if node["state"] == "CREATING" and time.time() >= node["readyAt"]:
+    if node["state"] == "CREATING" and _now() >= node["readyAt"]:
         node["state"] = "READY"
         _write(_node_file(project, zone, name), node)
     return node
@@ -219,7 +227,9 @@ def _worker_dirs(project, zone, name):
 
 
 def buckets_root() -> str:
-    return os.path.join(state_root(), "buckets")
+    # A worker's own `gcloud storage` (the recipe's copy of a run folder on the VM) runs without the
+    # emulator's state folder in its env, but with the bucket root its processes use for gs://.
+    return os.environ.get(BUCKETS_ENV) or os.path.join(state_root(), "buckets")
 
 
 PYTHON310 = """#!/bin/sh
@@ -398,7 +408,7 @@ def _new_node(project, zone, name, accel, version, scheduling, qr=None) -> dict:
             "apiVersion": "V2_ALPHA1", "id": str(abs(hash((project, zone, name, time.time()))) % 10**18),
             "networkEndpoints": [{"ipAddress": WORKER_IP, "port": 8470, "accessConfig": {"externalIp": WORKER_IP}}
                                  for _ in range(topo.workers)],
-            "scheduling": scheduling, "readyAt": time.time() + delay, "queuedResource": qr, "unreachable": []}
+            "scheduling": scheduling, "readyAt": _now() + delay, "queuedResource": qr, "unreachable": []}
     shutil.rmtree(node_dir(project, zone, name), ignore_errors=True)  # a new VM has a fresh disk
     for w in range(topo.workers):
         os.makedirs(worker_dir(project, zone, name, w))
@@ -544,7 +554,7 @@ def queued_resources(verb: str, args: list[str]) -> int:
                 _check_accelerator(zone, f.get("accelerator-type"))
             _write(path, {"name": qr, "node": node, "accelerator": f.get("accelerator-type"),
                           "runtimeVersion": f.get("runtime-version"), "spot": bool(f.get("spot")),
-                          "createTime": _now_iso(), "created": time.time(),
+                          "createTime": _now_iso(), "created": _now(),
                           "failed": failed and {"code": 9, "message": failed["message"]}})
             print(f"Create request issued for: [{qr}]", file=sys.stderr)
             return 0
@@ -578,7 +588,7 @@ def _qr_json(project, zone, spec, node) -> dict:
         node_state = load_node(project, zone, spec["node"])["state"]
         state = {"READY": "ACTIVE", "CREATING": "PROVISIONING", "PREEMPTED": "SUSPENDED",
                  "TERMINATED": "SUSPENDED"}.get(node_state, "ACTIVE")
-        if state == "PROVISIONING" and time.time() < spec.get("created", 0) + delay / 2:
+        if state == "PROVISIONING" and _now() < spec.get("created", 0) + delay / 2:
             state = "ACCEPTED"
     out = {"name": f"projects/{project}/locations/{zone}/queuedResources/{spec['name']}",
            "createTime": spec["createTime"], "state": {"state": state, **extra},
