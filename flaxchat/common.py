@@ -96,8 +96,37 @@ def compute_init(dtype: str = "auto", sharding: str = "dp", attention: str = "au
     kernels = choose(jax.default_backend(), attention, grad_checkpoint)
     auto = " (auto)" if dtype == "auto" or attention == "auto" else ""
     print0(f"compute: {jnp.dtype(compute_dtype).name} on {jax.default_backend()}{auto}; {kernels.describe()}")
+    cache = enable_compilation_cache()
+    if cache:
+        print0(f"compile cache: {cache}")
     return Compute(mesh=mesh, process_index=jax.process_index(), process_count=jax.process_count(),
                    backend=jax.default_backend(), compute_dtype=compute_dtype, kernels=kernels)
+
+
+def compilation_cache_dir() -> str:
+    """Where this machine's compiled steps are kept between runs: one folder per topology (backend,
+    device kind, devices and processes), under $FLAXCHAT_CACHE_DIR or ~/.cache/flaxchat."""
+    dev = jax.devices()[0]
+    topology = f"{jax.default_backend()}-{dev.device_kind}-{jax.device_count()}x{jax.process_count()}"
+    root = os.environ.get("FLAXCHAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flaxchat")
+    return os.path.join(root, "jax", "".join(c if c.isalnum() or c in "-_." else "_" for c in topology))
+
+
+def enable_compilation_cache() -> str | None:
+    """Turn JAX's persistent compilation cache on (unless the user chose a folder, or none with
+    FLAXCHAT_CACHE_DIR=off): a restarted or resumed run, or the next stage on the same machine,
+    loads the train step instead of compiling it (d12 at sequence 2048 compiled for 74 s on a
+    TPU v5e). Returns the folder, or None when it is the user's own or off."""
+    if jax.config.jax_compilation_cache_dir or os.environ.get("FLAXCHAT_CACHE_DIR") == "off":
+        return None
+    path = compilation_cache_dir()
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None  # a read-only home: run without a cache
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
 
 
 def print0(*args, **kwargs) -> None:
