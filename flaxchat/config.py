@@ -119,17 +119,47 @@ def config_for_depth(depth: int, *, vocab_size: int = 4096, sequence_len: int = 
     return GPTConfig(**fields)
 
 
+SHARDINGS = ("auto", "dp", "fsdp")
+
+
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything about a pretraining run except the model shape. Flags: --kebab-case of each field."""
+class RunConfig:
+    """What every training stage's run has (pretraining's TrainConfig, SFT's and RL's StageConfig):
+    its folder, its length, how often it evaluates, saves and logs, its seed, compute dtype and
+    layout, and whether to start over. Checked once, here, for all of them."""
 
     run_dir: str = "runs/default"
+    steps: int = -1  # -1: the stage derives them (pretraining: --param-data-ratio; SFT: --epochs)
+    dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
+    sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
+    eval_every: int = 250
+    save_every: int = 250
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
+
+    def validate_run(self, **every: int) -> None:
+        """The shared flags' checks; `every` adds a stage's own cadences (--sample-every)."""
+        if self.sharding not in SHARDINGS:
+            raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
+        if self.log_every < 1:
+            raise UserError(f"--log-every must be at least 1 (got {self.log_every}).")
+        from flaxchat.stage import check_bookkeeping
+        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every, **every)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(RunConfig):
+    """Everything about a pretraining run except the model shape. Flags: --kebab-case of each field."""
+
     data: str = "stories"  # 'stories' (built-in), a path/glob of .txt/.jsonl/.parquet, or hf:owner/name
     depth: int = 4
     sequence_len: int = 256
     vocab_size: int = 4096
     window_pattern: str = "SSSL"
-    steps: int = -1  # -1: derive from --param-data-ratio (the training horizon)
     param_data_ratio: float = 12.0  # tokens per scaling parameter (block matrices + LM head), nanochat
     device_batch_size: int = 8  # rows per micro-batch on each device
     total_batch_size: int = -1  # tokens per optimizer step; -1: nanochat's automatic size for the model
@@ -147,23 +177,15 @@ class TrainConfig:
     warmup_steps: int = 40
     warmdown_ratio: float = 0.65
     final_lr_frac: float = 0.05
-    dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
-    # Muon's Polar Express: auto (optim.orthogonalisation_dtype: bf16 on TPU/GPU; on a CPU with bf16
+    # Muon's Polar Express: auto (the kernels record's: bf16 on TPU/GPU; on a CPU with bf16
     # dot instructions bf16-operands on AMD and bf16-products on Intel, fp32 on other CPUs), float32,
     # bfloat16, bf16-products (fp32 iterate and Gram matrix, the other products bf16 into fp32;
     # rectangular matrices in the Gram form, fp32) or bf16-operands (as bf16-products, with the
     # products that read the iterate from bf16 too); see docs/cpu.md;
     # `bench.train_throughput --phases` measures them
     ns_dtype: str = "auto"
-    sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
-    eval_every: int = 250
     eval_tokens: int = 65_536
     sample_every: int = 500
-    save_every: int = 250
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
     grad_checkpoint: bool = False
     attention: str = "auto"  # attention kernel: auto (by backend), blockwise, xla, splash, cudnn
     init_from: str = ""  # model.pkl / weights.npz / run folder to start from (ignored when resuming)
@@ -176,15 +198,12 @@ class TrainConfig:
             raise UserError(f"--optimizer must be 'muon' or 'adamw' (got {self.optimizer!r}).")
         if self.lr_batch_scaling not in ("auto", "on", "off"):
             raise UserError(f"--lr-batch-scaling must be auto, on or off (got {self.lr_batch_scaling!r}).")
-        if self.sharding not in ("auto", "dp", "fsdp"):
-            raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
+        self.validate_run(sample_every=self.sample_every)
         from flaxchat.kernels import attention_names
         if self.attention not in attention_names():
             raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {self.attention!r}).")
         if self.attention == "splash" and self.sequence_len % 128:
             raise UserError(f"--attention splash needs a --sequence-len that is a multiple of 128 (got {self.sequence_len}).")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
         if self.ns_dtype not in NS_DTYPES:
             raise UserError(f"--ns-dtype must be one of {', '.join(NS_DTYPES)} (got {self.ns_dtype!r}).")
         if self.device_batch_size <= 0 or self.sequence_len <= 1:
@@ -207,11 +226,8 @@ class TrainConfig:
             raise UserError(f"--adam-beta1 and --adam-beta2 must lie in [0, 1) (got {self.adam_beta1}, {self.adam_beta2}).")
         if self.param_data_ratio <= 0:
             raise UserError(f"--param-data-ratio must be positive (got {self.param_data_ratio}).")
-        if self.log_every < 1 or self.eval_tokens < 1 or self.num_samples < 0:
-            raise UserError("--log-every and --eval-tokens must be at least 1 and --num-samples 0 or more.")
-        from flaxchat.stage import check_bookkeeping
-        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every,
-                          sample_every=self.sample_every)
+        if self.eval_tokens < 1 or self.num_samples < 0:
+            raise UserError("--eval-tokens must be at least 1 and --num-samples 0 or more.")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
             raise UserError(f"the window pattern {self.window_pattern!r} (--window-pattern) may only contain the "
                             "letters S (short) and L (long), e.g. SSSL.")

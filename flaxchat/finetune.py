@@ -17,6 +17,7 @@ import dataclasses
 import os
 from typing import Any, Callable
 
+from flaxchat.config import SHARDINGS, RunConfig
 from flaxchat.errors import UserError
 
 
@@ -34,7 +35,23 @@ STAGE_HELP = {
                 "the same rules as pretraining",
     "fresh": "start at step 0 even if --run-dir has a checkpoint (the old one is moved aside, not deleted)",
 }
-SHARDINGS = ("auto", "dp", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig(RunConfig):
+    """What SFT and RL share beyond every run's flags (`RunConfig`): the base run they start from
+    and the fraction of its learning rates they train at."""
+
+    base: str = ""  # the base model's run folder (required; only read)
+    lr_frac: float = 1.0  # times the pretraining learning rates
+
+    def validate_stage(self, what: str) -> None:
+        """Every run's checks, then the base (`what` names the model it must be) and the LR fraction."""
+        if not self.base:
+            raise UserError(f"--base is required: the run folder of {what}.")
+        self.validate_run()
+        if self.lr_frac <= 0:
+            raise UserError(f"--lr-frac must be positive (got {self.lr_frac}).")
 
 
 @dataclasses.dataclass(frozen=True)

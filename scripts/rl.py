@@ -25,12 +25,12 @@ import time
 
 from flaxchat.config import parse_config
 from flaxchat.errors import UserError, cli_main
+from flaxchat.finetune import StageConfig
 from flaxchat.kernels import tune_process
 
 
 @dataclasses.dataclass(frozen=True)
-class RLConfig:
-    base: str = ""  # the SFT model's run folder (required)
+class RLConfig(StageConfig):
     run_dir: str = "runs/rl"
     task: str = "arithmetic"  # name[@path]: a task with a reward (train split to learn, val to measure)
     steps: int = 100
@@ -45,29 +45,16 @@ class RLConfig:
     eval_every: int = 50
     eval_examples: int = 100
     save_every: int = 50
-    keep_checkpoints: int = 2
     log_every: int = 5
-    seed: int = 0
-    dtype: str = "auto"
-    sharding: str = "auto"
-    fresh: bool = False
 
     def validate(self) -> None:
-        if not self.base:
-            raise UserError("--base is required: the run folder of the SFT model to improve (e.g. runs/d4-sft).")
-        if min(self.steps, self.prompts, self.samples, self.max_new_tokens, self.eval_examples, self.log_every) < 1:
-            raise UserError("--steps, --prompts, --samples, --max-new-tokens, --eval-examples and --log-every must be "
-                            "at least 1.")
-        from flaxchat.stage import check_bookkeeping
-        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
-        if self.lr_frac <= 0:
-            raise UserError(f"--lr-frac must be positive (got {self.lr_frac}).")
+        self.validate_stage("the SFT model to improve (e.g. runs/d4-sft)")
+        if min(self.steps, self.prompts, self.samples, self.max_new_tokens, self.eval_examples) < 1:
+            raise UserError("--steps, --prompts, --samples, --max-new-tokens and --eval-examples must be at least 1.")
         if self.samples < 2:
             raise UserError("--samples must be at least 2: the advantage compares answers to the same problem.")
         from flaxchat.engine import make_sampling
         make_sampling(self.temperature, self.top_k)  # a bad --temperature/--top-k: one sentence, before any work
-        from flaxchat.finetune import check_sharding
-        check_sharding(self.sharding)
 
 
 HELP = {

@@ -24,48 +24,36 @@ import time
 
 from flaxchat.config import parse_config
 from flaxchat.errors import UserError, cli_main
+from flaxchat.finetune import StageConfig
 from flaxchat.kernels import tune_process
 
 CHECK_PROMPTS = ["Who are you?", "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"]
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    base: str = ""  # the base model's run folder (required)
+class SFTConfig(StageConfig):
     run_dir: str = "runs/sft"
     mix: str = "chat,spelling,spell,arithmetic"  # task mixture: name[@path][:weight],...
     val_mix: str = ""  # default: --mix on the validation split
     epochs: float = 1.0  # passes over the mixture when --steps is -1
-    steps: int = -1
     device_batch_size: int = 8  # rows per micro-batch per device
     grad_accum: int = 1  # micro-batches per optimizer step
     lr_frac: float = 0.8  # times the pretraining learning rates (chat_sft's init_lr_frac)
     warmdown_ratio: float = 0.5  # the last half of the steps falls linearly to 0 (chat_sft)
     weight_decay: float = 0.0
     from_base_optimizer: bool = True  # start from the pretraining momenta and Adam moments (chat_sft)
-    sharding: str = "auto"
     eval_every: int = 100
     eval_batches: int = 8
     save_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    dtype: str = "auto"
-    fresh: bool = False  # start over even if --run-dir has a checkpoint (the old one is moved aside)
 
     def validate(self) -> None:
-        if not self.base:
-            raise UserError("--base is required: the run folder of the model to finetune (e.g. runs/d4).")
-        if min(self.device_batch_size, self.grad_accum, self.log_every, self.eval_batches) < 1:
-            raise UserError("--device-batch-size, --grad-accum, --log-every and --eval-batches must be at least 1.")
+        self.validate_stage("the model to finetune (e.g. runs/d4)")
+        if min(self.device_batch_size, self.grad_accum, self.eval_batches) < 1:
+            raise UserError("--device-batch-size, --grad-accum and --eval-batches must be at least 1.")
         if self.steps == 0 or self.steps < -1 or self.epochs <= 0:
             raise UserError("--steps must be positive (or -1 for --epochs passes) and --epochs positive.")
-        from flaxchat.stage import check_bookkeeping
-        check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every)
-        if not 0 <= self.warmdown_ratio <= 1 or self.lr_frac <= 0 or self.weight_decay < 0:
-            raise UserError("--warmdown-ratio must lie between 0 and 1, --lr-frac be positive and --weight-decay 0 or more.")
-        from flaxchat.finetune import check_sharding
-        check_sharding(self.sharding)
+        if not 0 <= self.warmdown_ratio <= 1 or self.weight_decay < 0:
+            raise UserError("--warmdown-ratio must lie between 0 and 1 and --weight-decay be 0 or more.")
 
 
 HELP = {
