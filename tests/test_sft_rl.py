@@ -378,16 +378,16 @@ def test_sft_and_rl_run_fsdp_on_8_devices_into_a_memory_run_folder(base, tmp_pat
     ("sft", ["--base", "BASE", "--run-dir", "BASE"], "base model's own folder"),
     ("sft", ["--base", "BASE", "--mix", "chat:heavy"], "bad weight"),
     ("rl", ["--base", "BASE", "--samples", "1"], "at least 2"),
-    ("sft", ["--base", "BASE", "--log-every", "0"], "--log-every and --eval-batches must be at least 1"),
+    ("sft", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
     ("rl", ["--base", "BASE", "--log-every", "0"], "--log-every must be at least 1"),
     ("sft", ["--base", "BASE", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     ("rl", ["--base", "BASE", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     ("rl", ["--base", "BASE", "--eval-every", "-1"], "--eval-every must be 0 (never) or more"),
-    ("sft", ["--base", "BASE", "--eval-batches", "0"], "--log-every and --eval-batches must be at least 1"),  # read val loss 0.0000
+    ("sft", ["--base", "BASE", "--eval-batches", "0"], "--grad-accum and --eval-batches must be at least 1"),  # read val loss 0.0000
     ("rl", ["--base", "BASE", "--temperature", "-1"], "temperature must be 0 (greedy) or positive"),  # after an eval
     ("rl", ["--base", "BASE", "--top-k", "-3"], "top_k must be positive, or 0 for no limit"),
     ("rl", ["--base", "BASE", "--lr-frac", "-0.01"], "--lr-frac must be positive"),  # trained towards wrong answers
-    ("sft", ["--base", "BASE", "--weight-decay", "-1"], "--weight-decay 0 or more"),
+    ("sft", ["--base", "BASE", "--weight-decay", "-1"], "--weight-decay be 0 or more"),
     ("rl", ["--base", "/nonexistent/run"], "no run folder"),
     ("rl", ["--base", "BASE", "--task", "mmlu@/nonexistent/mmlu.parquet"], "mmlu"),
 ])

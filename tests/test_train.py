@@ -211,7 +211,7 @@ def _main(argv, capsys):
     (["--steps=-5"], "--steps must be positive, or -1"),
     (["--total-batch-size=0", "--steps=1"], "--total-batch-size must be positive, or -1"),
     (["--param-data-ratio=0"], "--param-data-ratio must be positive"),  # ZeroDivisionError
-    (["--log-every=0", "--steps=1"], "--log-every and --eval-tokens must be at least 1"),  # ZeroDivisionError
+    (["--log-every=0", "--steps=1"], "--log-every must be at least 1"),  # ZeroDivisionError
     (["--num-samples=-1", "--steps=1"], "--num-samples 0 or more"),  # sampled 2 of the 3 prompts
     (["--keep-checkpoints=0", "--steps=1"], "--keep-checkpoints must be at least 1"),  # kept none, the last too
     (["--save-every=-3", "--steps=1"], "--save-every must be 0 (never) or more"),
