@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import types
 import typing
 from typing import Any, Mapping
@@ -285,8 +284,5 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def save_json(path, obj) -> None:
     """Write JSON atomically: a reader never sees half a file."""
-    import os
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    from flaxchat.paths import write_json
+    write_json(str(path), obj, indent=2, sort_keys=True)

@@ -6,7 +6,8 @@
     glob(pattern)             sorted full paths matching a pattern (`**` crosses folders)
     makedirs(path)            a folder (a no-op on object stores, which have no folders)
     read_bytes / read_text    a whole file
-    write_bytes / write_text  a whole file, atomically (a reader never sees half of it)
+    atomic_write(path, fn)    a whole file, atomically (a reader never sees half of it): fn(f) writes it
+    write_bytes / _text / _json   the same for bytes, text, JSON
     remove(path), move(a, b)  a file; a file or folder (`--fresh` sets checkpoints aside)
     check_writable(folder)    a probe file written and removed: bad credentials fail here, early
     local_copy(folder)        a local folder mirroring a remote one, uploaded back on exit
@@ -31,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import glob as _glob
+import io
+import json
 import os
 import shutil
 import tempfile
 import threading
 import uuid
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from flaxchat.errors import UserError
 
@@ -282,21 +285,44 @@ def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """Replace the file at `path` with `data`. Locally a temp file renamed over it; on an object
-    store one upload, which is atomic (the old object stays readable until the new one is whole)."""
-    if not is_remote(path):
-        path = _local(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
+def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> str:
+    """Call write(f) on a temp file beside `path` (its folder made if missing), then rename it onto
+    `path`: a reader never sees half a file, and a write that fails leaves the old file and no temp
+    file behind. On an object store (gs://) the bytes are gathered in memory and uploaded as one
+    object, which is atomic there (the old object stays readable until the new one is whole).
+    Every file flaxchat writes whole goes through here. Returns `path`."""
+    if is_remote(path):
+        buf = io.StringIO() if "b" not in mode else io.BytesIO()
+        write(buf)
+        data = buf.getvalue()
+        data = data.encode("utf-8") if isinstance(data, str) else data
+        _remote(path, "write", lambda fs, p: fs.pipe_file(p, data))
+        return path
+    path = os.path.abspath(_local(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
         os.replace(tmp, path)
-        return
-    _remote(path, "write", lambda fs, p: fs.pipe_file(p, data))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    return path
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Replace the file at `path` with `data` (`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data))
 
 
 def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str, obj, **dump_kwargs) -> None:
+    """`obj` as JSON at `path` (`atomic_write`)."""
+    write_text(path, json.dumps(obj, **dump_kwargs))
 
 
 def remove(path: str) -> None:

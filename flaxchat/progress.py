@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from flaxchat.paths import write_json
+
 ENV = "FLAXCHAT_PROGRESS_FILE"
 SCHEMA = 1
 MIN_INTERVAL_S = 1.0  # the throttle: one write a second at most
@@ -61,12 +63,8 @@ class Progress:
         record = dict(schema=SCHEMA, stage=self.stage, step=int(step), steps=self.steps, time=now,
                       pid=os.getpid(), process=self.process, **self.where)
         record.update(self._fields)
-        tmp = f"{self.path}.tmp{os.getpid()}"
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, self.path)
+            write_json(self.path, record)
             self._last_write = now
         except OSError:
             pass  # liveness is advisory: a full disk must not end a training run

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from flaxchat.errors import UserError
+from flaxchat.paths import write_json
 
 # GPT-4's pattern with numbers split into groups of 1-2 digits instead of 1-3 (nanochat's choice:
 # it wastes fewer tokens on number chunks at small vocab sizes).
@@ -115,9 +116,7 @@ class Tokenizer:
             "meta": self.meta,
         }
         path = directory / FILENAME
-        tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, path)
+        write_json(str(path), payload)
         return path
 
     @classmethod

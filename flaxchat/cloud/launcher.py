@@ -144,11 +144,8 @@ def load_state() -> dict:
 
 
 def save_state(state: dict) -> None:
-    os.makedirs(os.path.dirname(state_path()), exist_ok=True)
-    tmp = state_path() + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=2)
-    os.replace(tmp, state_path())
+    from flaxchat.paths import write_json
+    write_json(state_path(), state, indent=2)
 
 
 def with_run_dir(command: str, run_dir: str | None) -> str:

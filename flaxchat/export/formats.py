@@ -16,13 +16,10 @@ bad input never leaves a half-written model.pkl behind.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import pickle
 import zipfile
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,29 +32,8 @@ NPZ_FORMAT = "flaxchat-npz/1"
 CONFIG_KEY, FORMAT_KEY = "__config__", "__format__"
 
 
-# --- atomic files ---------------------------------------------------------------------------------
-
-
-def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> str:
-    """Call write(f) on a temp file beside `path`, then rename it onto `path` (never half a file).
-    A gs:// path is written in memory and uploaded as one object, which is atomic there."""
-    if paths.is_remote(path):
-        buf = io.StringIO() if "b" not in mode else io.BytesIO()
-        write(buf)
-        data = buf.getvalue()
-        paths.write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
-        return path
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-    return path
+# Every file is written whole through `paths.atomic_write` (a temp file renamed, or one upload).
+atomic_write = paths.atomic_write
 
 
 # --- trees of parameters --------------------------------------------------------------------------
