@@ -10,6 +10,7 @@ conversation, `quit` (or Ctrl-D) to leave. The model may call its Python tool; t
 
 from __future__ import annotations
 
+import math
 import sys
 
 from flaxchat.config import ArgumentParser
@@ -30,10 +31,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_sampling(args) -> None:
+    """NaN passes every comparison it is in (-t nan was taken silently); say what each flag takes."""
+    if not 0 <= args.temperature < math.inf:
+        raise UserError(f"-t/--temperature must be 0 (greedy) or a positive number (got {args.temperature}).")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must lie in (0, 1] (got {args.top_p}).")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("the prompt given with -p is empty; write something to say to the model.")
+    check_sampling(args)
 
     # --- model, tokenizer, engine ---------------------------------------------------------------
     from flaxchat.engine import Engine, make_sampling

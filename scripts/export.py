@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
     if not platforms or set(platforms) - {"cpu", "cuda", "rocm", "tpu"}:
         raise UserError(f"--platforms takes a comma-separated list of cpu, cuda, rocm, tpu (got {args.platforms!r}).")
+    from flaxchat import paths as fpaths
+    from flaxchat.export.source import checkpoint_dir
+    checkpoint_dir(args.run_dir)  # a missing run folder is said first (and no export/ is made for it)
+    fpaths.check_destination(args.out_dir or os.path.join(args.run_dir, "export"), "--out-dir")
     paths = export_run(args.run_dir, args.out_dir, step=args.step, seq_len=args.seq_len, platforms=platforms)
     for name, path in paths.items():
         size = os.path.getsize(path) if os.path.isfile(path) else sum(
