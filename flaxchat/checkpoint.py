@@ -48,7 +48,7 @@ from flaxchat.errors import UserError
 CHECKSUMS = "flaxchat_checksums.json"
 # A run that is still training deletes old steps as it saves new ones (--keep-checkpoints): the step
 # a reader chose can vanish while it is read. Then the reader looks again, this many times in all.
-READ_ATTEMPTS = 4
+READ_ATTEMPTS = 8
 _CHUNK = 8 << 20  # bytes hashed at a time: SHA-256 runs at ~1.1 GB/s on one core of this project's CPUs
 _TMP = ".orbax-checkpoint-tmp"
 
@@ -135,9 +135,10 @@ def step_problem(step_dir: str, items: tuple[str, ...] | None = None) -> str | N
             return f"its {item} folder is missing"
         checked.add(item)
         path = paths.join(step_dir, rel)
-        if not paths.exists(path):
+        try:
+            got_size, got = _digest(path)
+        except FileNotFoundError:
             return f"{rel} is missing"
-        got_size, got = _digest(path)
         if got_size != size:
             return f"{rel} is {got_size:,} bytes, {size:,} were written"
         if got != digest:
@@ -162,8 +163,11 @@ class Checkpointer:
         self._step_bytes = 0  # array bytes of the last save: what a step needs on disk, about
         if read_only:
             # Set to what read_only forces anyway, so Orbax does not warn about each one.
+            # lightweight_initialize: step metadata is not read on opening, so a step the owner
+            # deletes meanwhile does not fail the opening.
             options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
-                                                   save_interval_steps=0, enable_async_checkpointing=False)
+                                                   save_interval_steps=0, enable_async_checkpointing=False,
+                                                   lightweight_initialize=True)
         else:
             # Always the asynchronous checkpointer: its post-finalization callback writes the
             # checksums into the step folder before Orbax renames it into place. `async_save=False`
@@ -177,11 +181,21 @@ class Checkpointer:
         level = _ABSL.level
         _ABSL.setLevel(logging.ERROR)  # "Given directory is read only" and the like: not for users
         try:
-            self._mgr = ocp.CheckpointManager(self.directory, options=options)
+            self._mgr = self._retried(lambda: ocp.CheckpointManager(self.directory, options=options))
         except Exception as e:  # an unreadable folder: say so, touch nothing
             raise UserError(f"the checkpoint folder {self.directory} cannot be opened ({_first_line(e)}).") from None
         finally:
             _ABSL.setLevel(level)
+
+    def _retried(self, fn):
+        """fn(), again when a reader lost a race with the owner deleting an old step (FileNotFoundError)."""
+        for attempt in range(READ_ATTEMPTS if self.read_only else 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                if attempt == READ_ATTEMPTS - 1 or not self.read_only:
+                    raise
+                time.sleep(0.05)
 
     def step_dir(self, step: int) -> str:
         return paths.join(self.directory, str(step))
@@ -194,7 +208,7 @@ class Checkpointer:
 
     def reload(self) -> None:
         """See steps another process wrote, moved or deleted since this one opened the folder."""
-        self._mgr.reload()
+        self._retried(self._mgr.reload)
 
     # --- saving (the owner) ---------------------------------------------------------------------
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None, meta: dict[str, Any]) -> None:
@@ -256,14 +270,17 @@ class Checkpointer:
         full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in text \
             or "RESOURCE_EXHAUSTED" in text
         if full:
-            free = ""
+            free, size = "", self._step_bytes  # the arrays' bytes: Orbax compresses, so at most this
             if not paths.is_remote(self.directory):
                 free = f"{_mb(shutil.disk_usage(self.directory).free)} free; "
-            need = self._step_bytes * ((self.max_to_keep or 1) + 1)
+                if kept:  # what a step of this run really takes on this disk
+                    folder = self.step_dir(max(kept))
+                    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+            on_disk = (self.max_to_keep or 1) + 1
             return UserError(f"saving checkpoint step {step} to {self.directory} failed: no space left on the "
-                             f"device ({free}a step takes about {_mb(self._step_bytes)} and up to "
-                             f"{(self.max_to_keep or 1) + 1} are on disk during a save: {_mb(need)}); free space "
-                             f"or pass another --run-dir, and {resume}.")
+                             f"device ({free}a step takes about {_mb(size)} and up to {on_disk} are on disk "
+                             f"during a save: {_mb(size * on_disk)}); free space or pass another --run-dir, "
+                             f"and {resume}.")
         return UserError(f"saving checkpoint step {step} to {self.directory} failed ({_first_line(e)}); "
                          f"the step was abandoned, and {resume}.")
 
@@ -314,6 +331,29 @@ class Checkpointer:
         restore that failed), with why. A UserError when none is intact, or when the asked `step`
         is damaged; then nothing is moved."""
         known = known or {}
+        for _ in range(READ_ATTEMPTS):
+            found = self._search(step, items, known)
+            if found is not None:
+                break
+            self.reload()  # every step it looked at was deleted meanwhile by the run that writes them
+        else:
+            raise UserError(f"the steps of {self.directory} were deleted by the run that writes them faster than "
+                            f"they could be read ({READ_ATTEMPTS} tries); try again, or let that run keep more "
+                            "(--keep-checkpoints).")
+        s, meta, damaged = found
+        for bad, why in damaged:
+            where = ""
+            if move_damaged and not self.read_only:
+                where = f"; moved to {self._move_aside(bad)}"
+            log(f"warning: checkpoint step {bad} in {self.directory} is damaged ({why}){where}; "
+                f"using step {s}")
+        if damaged and move_damaged:
+            self.reload()
+        return s, meta
+
+    def _search(self, step, items, known):
+        """(step, meta, [(damaged step, why)]) of the newest intact step; None when the steps looked
+        at vanished while they were read (a reader of a run that is training)."""
         steps = sorted(self.all_steps(), reverse=True)
         if step is not None:
             steps = [step] if step in steps else []
@@ -331,27 +371,19 @@ class Checkpointer:
                 except UserError:
                     why = "its meta cannot be read"
             if why is None:
-                break
+                return s, meta, damaged
             if not paths.isdir(self.step_dir(s)):
                 continue  # deleted while it was read (the run that owns it keeps its newest steps): not damage
             damaged.append((s, why))
-        else:
-            listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
-            if step is not None:
-                raise UserError(f"checkpoint step {step} in {self.directory} is damaged ({listed}); "
-                                "pass another --step or leave it out for the newest intact one.")
-            fix = ("start over with --fresh (they are moved aside, not deleted)" if not self.read_only
-                   else "train the run again or copy an intact checkpoint there")
-            raise UserError(f"no intact checkpoint in {self.directory} ({listed}); {fix}.")
-        for bad, why in damaged:
-            where = ""
-            if move_damaged and not self.read_only:
-                where = f"; moved to {self._move_aside(bad)}"
-            log(f"warning: checkpoint step {bad} in {self.directory} is damaged ({why}){where}; "
-                f"using step {s}")
-        if damaged and move_damaged:
-            self.reload()
-        return s, meta
+        if not damaged:
+            return None
+        listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
+        if step is not None:
+            raise UserError(f"checkpoint step {step} in {self.directory} is damaged ({listed}); "
+                            "pass another --step or leave it out for the newest intact one.")
+        fix = ("start over with --fresh (they are moved aside, not deleted)" if not self.read_only
+               else "train the run again or copy an intact checkpoint there")
+        raise UserError(f"no intact checkpoint in {self.directory} ({listed}); {fix}.")
 
     def use_newest_intact(self, use: Callable[[int, dict], Any], step: int | None = None,
                           items: tuple[str, ...] | None = None, log: Callable[[str], None] = print) -> tuple[int, Any]:
@@ -365,13 +397,18 @@ class Checkpointer:
             try:
                 return at, use(at, meta)
             except UserError as e:
-                if step is not None or attempt == READ_ATTEMPTS - 1:
-                    raise
                 if paths.isdir(self.step_dir(at)):
+                    if step is not None:
+                        raise
                     failed[at] = f"it does not restore: {str(e).partition('(')[2].rpartition(')')[0]}"
+                elif step is not None:
+                    raise UserError(f"step {step} was deleted from {self.directory} while it was read (the run "
+                                    "that writes it keeps only its newest steps); pass a newer --step.") from None
                 else:
                     self.reload()
-        raise AssertionError("unreachable")
+        raise UserError(f"the steps of {self.directory} were deleted by the run that writes them faster than they "
+                        f"could be read ({READ_ATTEMPTS} tries); try again, or let that run keep more "
+                        "(--keep-checkpoints).")
 
     def _move_aside(self, step: int) -> str:
         dest_dir = self.directory.rstrip("/") + ".damaged"
