@@ -73,10 +73,12 @@ def _mb(n: float) -> str:
 
 class _DropOrbaxTracebacks(logging.Filter):
     """Orbax logs every failure of a background save with its traceback, 3-5 times per failed save
-    (each thread that saw it); the Checkpointer raises that failure itself as one sentence."""
+    (each thread that saw it); the Checkpointer raises that failure itself as one sentence. Orbax's
+    errors without a traceback still show."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname.replace(os.sep, "/"))
+        return not (record.levelno >= logging.ERROR and record.exc_info
+                    and "/orbax/" in record.pathname.replace(os.sep, "/"))
 
 
 _ABSL = logging.getLogger("absl")
@@ -298,13 +300,19 @@ class Checkpointer:
                             f"{fix}.") from None
         return dict(out["meta"])
 
-    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, step: int | None = None) -> dict[str, Any]:
-        """Restore into `model` (and `optimizer`) in place; returns the meta dict."""
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, step: int | None = None,
+                device: jax.Device | None = None) -> dict[str, Any]:
+        """Restore into `model` (and `optimizer`) in place; returns the meta dict. `device`: put the
+        model's arrays there (export reads onto the CPU whatever accelerator the run trained on)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise UserError(f"no checkpoint found in {self.directory}.")
         model_state = nnx.state(model, nnx.Param)
-        items = dict(model=ocp.args.StandardRestore(_abstract(_pure(model_state))), meta=ocp.args.JsonRestore())
+        target = _abstract(_pure(model_state))
+        if device is not None:
+            on = jax.sharding.SingleDeviceSharding(device)
+            target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on), target)
+        items = dict(model=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         if optimizer is not None:
             opt_state = nnx.state(optimizer, nnx.optimizer.OptState)
             items["optimizer"] = ocp.args.StandardRestore(_abstract(_pure(opt_state)))

@@ -346,5 +346,4 @@ def check_destination(path: str, flag: str, file: bool = False) -> None:
         raise
     except OSError as e:
         reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
-        raise UserError(f"cannot write to {folder} ({reason}), where {flag} points; pick a place you may "
-                        "write to.") from None
+        raise UserError(f"cannot write to {folder} ({reason}); give {flag} a place you may write to.") from None

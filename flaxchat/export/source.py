@@ -59,8 +59,8 @@ def _read(ckpt: str, step: int | None) -> tuple[GPTConfig, dict, int]:
     def params_of(at: int, meta: dict) -> tuple[GPTConfig, dict]:
         cfg = GPTConfig.from_dict(meta["model_config"])
         model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-        with jax.default_device(jax.devices("cpu")[0]), jax.set_mesh(None):
-            reader.restore(model, step=at)
+        with jax.set_mesh(None):
+            reader.restore(model, step=at, device=jax.devices("cpu")[0])
         return cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     try:
