@@ -391,7 +391,7 @@ class Checkpointer:
                             "pass another --step or leave it out for the newest intact one.")
         fix = ("start over with --fresh (they are moved aside, not deleted)" if not self.read_only
                else "train the run again or copy an intact checkpoint there")
-        raise UserError(f"no intact checkpoint in {self.directory} ({listed}); {fix}.")
+        raise UserError(f"every checkpoint in {self.directory} is damaged or incomplete ({listed}); {fix}.")
 
     def use_newest_intact(self, use: Callable[[int, dict], Any], step: int | None = None,
                           items: tuple[str, ...] | None = None, log: Callable[[str], None] = print) -> tuple[int, Any]:

@@ -32,11 +32,10 @@ def parse_args(argv=None):
 
 
 def check_sampling(args) -> None:
-    """NaN passes every comparison it is in (-t nan was taken silently); say what each flag takes."""
+    """What `engine.make_sampling` does not check: NaN fails every comparison, so `temperature < 0`
+    let -t nan through silently (top_p's range check already refuses it)."""
     if not 0 <= args.temperature < math.inf:
         raise UserError(f"-t/--temperature must be 0 (greedy) or a positive number (got {args.temperature}).")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must lie in (0, 1] (got {args.top_p}).")
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
 

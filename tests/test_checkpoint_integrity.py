@@ -154,7 +154,7 @@ def test_no_intact_step_is_one_sentence_and_nothing_moves(tmp_path):
         c.newest_intact(log=print, move_damaged=True)
     c.close()
     msg = str(e.value)
-    assert "no intact checkpoint" in msg and "step 4:" in msg and "step 2:" in msg and "--fresh" in msg
+    assert "is damaged or incomplete" in msg and "step 4:" in msg and "step 2:" in msg and "--fresh" in msg
     assert "\n" not in msg and "<bound method" not in msg
     assert _files(tmp_path / "c") == before and not (tmp_path / "c.damaged").exists()
 

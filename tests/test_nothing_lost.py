@@ -285,11 +285,12 @@ def test_export_and_tok_train_refuse_a_file_as_their_folder_before_the_work(tmp_
     assert afile.read_text() == "mine"
 
 
-@pytest.mark.parametrize("argv", [["-t", "nan"], ["-t", "inf"], ["-t", "-1"], ["--top-p", "nan"], ["--max-tokens", "0"]])
-def test_chat_cli_sampling_flags_are_checked(argv, tmp_path, capsys):
+@pytest.mark.parametrize("argv,words", [(["-t", "nan"], "-t/--temperature"), (["-t", "inf"], "-t/--temperature"),
+                                        (["--top-p", "nan"], "top_p"), (["--max-tokens", "0"], "--max-tokens")])
+def test_chat_cli_sampling_flags_are_checked_before_the_model_loads(argv, words, tmp_path, capsys):
     from scripts import chat_cli
-    code, cap = _cli(chat_cli.main, ["-i", str(tmp_path), "-p", "hi", *argv], capsys)
-    assert code == 2 and argv[0] in cap.err, cap.err
+    code, cap = _cli(chat_cli.main, ["-i", str(tmp_path / "no-run"), "-p", "hi", *argv], capsys)
+    assert code == 2 and words in cap.err and len(cap.err.strip().splitlines()) == 1, cap.err
 
 
 @pytest.fixture
