@@ -173,7 +173,7 @@ class FileTask(Task):
             if not rows:
                 raise UserError(f"the {self.split} files of {self.dataset} at {self.path} hold no rows")
             # Every row converted once, here: a malformed row fails before any model loads, not
-            # when training reaches it (SmolTalk's 460k rows take ~1 s).
+            # when training reaches it (460k SmolTalk-shaped rows: 3.4 s on a busy 2-core CPU).
             for row in rows:
                 try:
                     self.convert(row)
