@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from typing import Any, Callable
 
@@ -83,6 +84,26 @@ class _DropOrbaxTracebacks(logging.Filter):
 
 _ABSL = logging.getLogger("absl")
 _FILTER = _DropOrbaxTracebacks()
+
+
+def _quiet_failed_writes() -> None:
+    """When a save fails, the first write error ends Orbax's event loop for that save, and the
+    writes still in flight (one per array) then fail into it one by one, each printing a traceback
+    ("Future exception was never retrieved", "Event loop is closed": 9-37 on a depth-1 model, and
+    before the Checkpointer can know of the failure). The failure itself is raised as one sentence,
+    so these two kinds of leftover are dropped, in a process that saves checkpoints."""
+    if getattr(sys.unraisablehook, "_flaxchat", False):
+        return
+    logging.getLogger("asyncio").addFilter(
+        lambda r: not (r.levelno >= logging.ERROR and "exception was never retrieved" in r.getMessage()))
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    hook._flaxchat = True
+    sys.unraisablehook = hook
 
 
 # --- checksums -------------------------------------------------------------------------------------
@@ -178,6 +199,7 @@ class Checkpointer:
                 max_to_keep=max_to_keep, cleanup_tmp_directories=True, create=True,
                 enable_async_checkpointing=True,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums))
+            _quiet_failed_writes()
         if _FILTER not in _ABSL.filters:
             _ABSL.addFilter(_FILTER)
         level = _ABSL.level

@@ -212,9 +212,12 @@ def tmpfs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resumes(tmp_path, tokenizer_dir, tmpfs):
-    """Steps of ~1 MB on a 3 MB disk: the third cannot be written while two are kept. The old loop
-    printed tracebacks and trained on past the failed save until the next one (here 2 steps later)."""
-    common = [*TINY, "--eval-every=0", f"--tokenizer-dir={tokenizer_dir}", "--steps=12", "--save-every=2"]
+    """Steps of ~1 MB on a 3 MB disk: the third save (step 300) cannot be written while two are kept.
+    The old loop printed tracebacks and trained on past the failed save until the next one (step
+    400, the last); now the step after the failure is known stops it (the write fails ~0.5 s after
+    it starts, and these steps take ~10 ms)."""
+    common = [*TINY, "--log-every=10", "--eval-every=0", f"--tokenizer-dir={tokenizer_dir}", "--steps=400",
+              "--save-every=100"]
     ref = tmp_path / "ref"
     assert _pretrain([*common, f"--run-dir={ref}"]).returncode == 0
     run = tmpfs / "run"
@@ -225,7 +228,7 @@ def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resum
     assert err[-1].startswith("error: saving checkpoint step ") and "no space left on the device" in err[-1], err[-5:]
     failed = int(err[-1].split()[4])
     trained = [int(line.split()[1].split("/")[0]) for line in r.stdout.splitlines() if line.startswith("step ") and "/" in line]
-    assert max(trained) <= failed + 1, trained  # stopped at the next step, not at the next save
+    assert failed == 300 and max(trained) < 400, trained  # stopped before the next save
     left = sorted(os.listdir(run / "checkpoints"))
     assert all(name.isdigit() and int(name) < failed for name in left), left  # no half step
     subprocess.run(["mount", "-o", "remount,size=30m", str(tmpfs)], check=True)  # the user frees space
