@@ -75,7 +75,6 @@ def test_chat_eval_export_and_sft_read_a_run_while_it_trains_and_it_ends_as_if_u
     """The run saves every step (keep 2) while chat_cli and sft --base (subprocesses) and the load
     paths of chat/eval, SFT's base and export (in a loop here) read it. The old readers opened the
     run as its owner and deleted the save in flight: the trainer died with NOT_FOUND."""
-    from flaxchat import checkpoint as ck
     from flaxchat.export import read_checkpoint
     from flaxchat.loading import load_model, read_run
 
@@ -100,21 +99,16 @@ def test_chat_eval_export_and_sft_read_a_run_while_it_trains_and_it_ends_as_if_u
     reads = 0
     while trainer.poll() is None and time.time() < deadline:
         load_model(run, with_tokenizer=False)  # chat_cli, chat_web, eval
-        read_run(run)  # sft/rl --base, before the weights
-        base = ck.open_reader(str(run / "checkpoints"))  # sft/rl --base: weights and optimizer state
-        try:
-            base.use_newest_intact(lambda at, meta: base.read_meta(at))
-        finally:
-            base.close()
+        read_run(run)  # sft/rl --base, before the weights (the sft subprocess reads those too)
         read_checkpoint(str(run))  # export
-        reads += 4
+        reads += 3
     trainer.wait(timeout=300)
     reader.join(10)
     for p in clis:
         text = p.communicate(timeout=300)[0]
         assert p.returncode == 0, text[-2000:]
     assert trainer.returncode == 0, "".join(out)[-3000:]
-    assert reads >= 8, f"only {reads} reads happened while the run trained"
+    assert reads >= 6, f"only {reads} reads happened while the run trained"
     print(f"{reads} in-process reads and {len(clis)} CLI readers while the run trained 80 steps, saving each")
     step_a, a = _params(ref)
     step_b, b = _params(run)
