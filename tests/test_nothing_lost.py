@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -118,11 +117,11 @@ def test_chat_eval_export_and_sft_read_a_run_while_it_trains_and_it_ends_as_if_u
 
 # --- kill -9 at several moments, and the rerun of a finished run --------------------------------------
 
-MOMENTS = {  # the line after which the run is killed
-    "after compiling, before any save": "compiled the train step",
-    "mid-save (the step-4 write in flight)": "step 00004 | saving checkpoint",
-    "between saves": "step 00006/00012",
-    "after the last save, before COMPLETE": "--- sampled stories ---",
+MOMENTS = {  # the line after which the run is killed, the step folder that must have landed first
+    "after compiling, before any save": ("compiled the train step", None),
+    "mid-save, the first write in flight": ("step 00004 | saving checkpoint", None),
+    "mid-save of step 8, step 4 landed": ("step 00008 | saving checkpoint", "4"),
+    "after the last save, before COMPLETE": ("--- sampled stories ---", "12"),
 }
 
 
@@ -137,7 +136,7 @@ def test_kill_9_at_several_moments_resumes_bit_for_bit_and_a_finished_rerun_keep
     ref_report = [line for line in (ref / "report.md").read_text().splitlines() if "val bpb" in line or "final loss" in line]
     assert len(ref_report) == 2 and "| - |" not in " ".join(ref_report), ref_report
     _, want = _params(ref)
-    for n, (moment, line_seen) in enumerate(MOMENTS.items()):
+    for n, (moment, (line_seen, landed)) in enumerate(MOMENTS.items()):
         run = tmp_path / f"killed-{n}"
         proc = _start([*common, f"--run-dir={run}"])
         seen = []
@@ -146,6 +145,8 @@ def test_kill_9_at_several_moments_resumes_bit_for_bit_and_a_finished_rerun_keep
             seen.append(line)
             if line_seen in line or time.time() > deadline:
                 break
+        while landed and not (run / "checkpoints" / landed).is_dir() and time.time() < deadline:
+            time.sleep(0.01)  # the asynchronous write of that step lands (the loop waits for it at the next save)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert any(line_seen in s for s in seen), (moment, "".join(seen)[-2000:])
@@ -155,6 +156,9 @@ def test_kill_9_at_several_moments_resumes_bit_for_bit_and_a_finished_rerun_keep
         step, got = _params(run)
         assert step == 12, moment
         _assert_equal(want, got)
+        resumed = next((line for line in again.stdout.splitlines() if line.startswith("resumed from")), "started over")
+        assert (landed is None) or resumed.startswith("resumed from step "), (moment, resumed)
+        print(f"kill -9 {moment}: {resumed.split(' in ')[0]}; the 12-step weights equal the uninterrupted run's")
         if moment.startswith("after the last save"):  # the rerun of a finished run: nothing to train
             assert "resumed from step 12" in again.stdout
             last = again.stdout.strip().splitlines()[-1]
