@@ -205,20 +205,24 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
         log(f"resumed from step {step} in {ckpt_dir}")
     else:
         found = resolve(base)
-        base_ckpt = ckpt.Checkpointer(found.checkpoints, max_to_keep=None, async_save=False)
-        try:
-            at = found.step if found.step is not None else base_ckpt.latest_step()
+        base_ckpt = ckpt.open_reader(found.checkpoints)  # read-only: the base may still be training
+
+        def start_from(at: int, _meta: dict) -> None:
             if optim.from_base_optimizer and base_meta.get("has_optimizer", True):
                 try:
                     base_ckpt.restore(model, optimizer, at)
                     reset_schedules(optimizer)
                     log(f"{name}: starting from {base}'s weights and optimizer state (momenta and Adam moments; "
                         "schedules reset)")
+                    return
                 except UserError:
-                    base_ckpt.restore(model, None, at)
+                    if not paths.isdir(base_ckpt.step_dir(at)):
+                        raise  # deleted by the base run meanwhile: the next intact step is tried
                     log(f"{name}: {base} has no matching optimizer state; fresh momenta")
-            else:
-                base_ckpt.restore(model, None, at)
+            base_ckpt.restore(model, None, at)
+
+        try:
+            base_ckpt.use_newest_intact(start_from, found.step, log=log)
         finally:
             base_ckpt.close()
     shown = ", ".join(f"{k} {v:g}" for k, v in lrs.items() if k != "weight_decay")

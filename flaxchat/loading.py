@@ -2,16 +2,18 @@
 
 A model is named by any of: a run folder (`runs/x`, holding `checkpoints/` and `tokenizer/`), its
 checkpoints folder (`runs/x/checkpoints`), or one step of it (`runs/x/checkpoints/1000`), local or
-`gs://` (the layout is `flaxchat.paths.RunFolder`'s). The latest step is used unless one is given.
-From a bucket only what is needed is read: one listing per level, the step's arrays (Orbax reads
-them straight from the bucket), the tokenizer's few files. `save_run` writes the same layout, so a
-test or a conversion can make a folder the chat scripts open.
+`gs://` (the layout is `flaxchat.paths.RunFolder`'s). The latest intact step is used unless one is
+given. Checkpoints are opened read-only (`flaxchat.checkpoint.open_reader`): loading a run that is
+still training never touches its saves. From a bucket only what is needed is read: one listing per
+level, the step's arrays (Orbax reads them straight from the bucket), the tokenizer's few files.
+`save_run` writes the same layout, so a test or a conversion can make a folder the chat scripts open.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from flaxchat import paths
@@ -62,17 +64,15 @@ def _tokenizer_dir(found: RunPaths, meta: dict) -> str:
                     f"{' and ' + saved if saved else ''}); copy the run's tokenizer/ folder next to checkpoints/.")
 
 
-def _checked_meta(ckpt, found: RunPaths):
-    """(meta, model config) of the asked step, or one sentence saying why there is none."""
+def _model_config(found: RunPaths, meta: dict):
     from flaxchat.config import GPTConfig
-    steps = ckpt.all_steps()
-    if found.step is not None and found.step not in steps:
-        raise UserError(f"step {found.step} is not in {found.checkpoints} (steps there: "
-                        f"{', '.join(map(str, sorted(steps))) or 'none'}).")
-    meta = ckpt.read_meta(found.step)
     if "model_config" not in meta:
         raise UserError(f"the checkpoint in {found.checkpoints} has no model_config in its meta; it was not written by flaxchat.")
-    return meta, GPTConfig.from_dict(meta["model_config"])
+    return GPTConfig.from_dict(meta["model_config"])
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _matching_tokenizer(found: RunPaths, meta: dict, cfg):
@@ -86,37 +86,45 @@ def _matching_tokenizer(found: RunPaths, meta: dict, cfg):
 
 
 def read_run(path: str | os.PathLike, step: int | None = None):
-    """(model config, tokenizer, meta) of a run, without loading its weights."""
-    from flaxchat.checkpoint import Checkpointer
+    """(model config, tokenizer, meta) of a run, without loading its weights. Read-only: the run may
+    still be training."""
+    from flaxchat.checkpoint import open_reader
     found = resolve(path, step)
-    ckpt = Checkpointer(found.checkpoints, max_to_keep=None, async_save=False)
+    ckpt = open_reader(found.checkpoints)
     try:
-        meta, cfg = _checked_meta(ckpt, found)
+        _, meta = ckpt.newest_intact(found.step, items=("meta",), log=_warn)
+        cfg = _model_config(found, meta)
     finally:
         ckpt.close()
     return cfg, _matching_tokenizer(found, meta, cfg), meta
 
 
 def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokenizer: bool = True):
-    """(model, tokenizer or None, meta) from a run folder, checkpoints folder or step folder."""
+    """(model, tokenizer or None, meta) from a run folder, checkpoints folder or step folder.
+    Read-only (nothing in the run folder is written, cleaned or deleted), so a run may be loaded
+    while it trains; the newest intact step is used (`flaxchat.checkpoint.Checkpointer.newest_intact`)."""
     import jax
     from flax import nnx
 
-    from flaxchat.checkpoint import Checkpointer
+    from flaxchat.checkpoint import open_reader
     from flaxchat.common import resolve_dtype
     from flaxchat.gpt import GPT
 
     found = resolve(path, step)
-    ckpt = Checkpointer(found.checkpoints, max_to_keep=None, async_save=False)
-    try:
-        meta, cfg = _checked_meta(ckpt, found)
+    ckpt = open_reader(found.checkpoints)
+
+    def restore(at: int, meta: dict):
+        cfg = _model_config(found, meta)
         # Abstract parameters (shapes only): restoring fills them, so no time goes into a random
         # initialisation that is thrown away (~1 s per op-by-op init on a small CPU).
         # No mesh in context, whatever the caller has set (e.g. a notebook's jax.set_mesh): the
         # abstract arrays would carry its AbstractMesh, which Orbax cannot restore onto.
         with jax.set_mesh(None):
             model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
-            meta = ckpt.restore(model, step=found.step)
+            return model, ckpt.restore(model, step=at), cfg
+
+    try:
+        _, (model, meta, cfg) = ckpt.use_newest_intact(restore, found.step, items=("model", "meta"), log=_warn)
     finally:
         ckpt.close()
     tokenizer = _matching_tokenizer(found, meta, cfg) if with_tokenizer else None

@@ -507,3 +507,25 @@ def parent(path: str) -> str:
 
 def basename(path: str) -> str:
     return str(path).rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
+
+
+def check_destination(path: str, flag: str, file: bool = False) -> None:
+    """Before any long work: `path` (a folder, or a file when `file`) can be written where the
+    user pointed `flag`. A file where a folder should be, a folder where a file should be, or a
+    read-only place is one sentence now, not a traceback after the work is done."""
+    if file and isdir(path):
+        raise UserError(f"{flag} {path} is a folder; give the path of the file to write.")
+    if not file and exists(path) and not isdir(path):
+        raise UserError(f"{flag} {path} is a file, not a folder; pick a folder (it is created if missing).")
+    folder = (os.path.dirname(_local(path)) or ".") if file and not is_remote(path) else \
+        (path.rsplit("/", 1)[0] if file else path)
+    probe = join(folder, f".flaxchat-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        makedirs(folder)
+        write_bytes(probe, b"ok")
+        remove(probe)
+    except UserError:
+        raise
+    except OSError as e:
+        reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
+        raise UserError(f"cannot write to {folder} ({reason}); give {flag} a place you may write to.") from None

@@ -5,7 +5,8 @@
     finish(run_dir, is_main, checkpointer, progress, step, summary, report)
 
 `open_checkpoints` is resume-or-start: `--fresh` sets the old checkpoints aside (never deletes
-them; process 0 only, then every process waits), and the latest complete step with its meta is
+them; process 0 only, then every process waits), and the newest intact step (its files match the
+checksums it was written with; a damaged newer one is moved aside with one line) with its meta is
 what the stage resumes from. `finish` is the tail: the last save is flushed, the progress file
 records the final step on every process, process 0 writes the report and then `COMPLETE` (what
 launchers wait for), so a `COMPLETE` never stands beside a half-written report. Both go through
@@ -57,7 +58,9 @@ class StopOnCtrlC:
 
     def stop_here(self, step: int, checkpointer, save: Callable[[int], None]) -> None:
         """Called at the top of each iteration: when Ctrl-C was pressed, save `step` (unless it is
-        saved already or nothing was trained), wait for the write, and raise KeyboardInterrupt."""
+        saved already or nothing was trained), wait for the write, and raise KeyboardInterrupt.
+        Also where a background save that failed (a full disk) stops the loop, as one UserError."""
+        checkpointer.raise_if_failed()
         if not self.requested:
             return
         if step > 0 and checkpointer.latest_step() != step:
@@ -88,8 +91,13 @@ def open_checkpoints(run_dir: str, *, fresh: bool, keep: int, is_main: bool, log
             log(f"--fresh: moved the existing checkpoints to {moved}")
     barrier(f"{name}-fresh")
     checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
-    step = checkpointer.latest_step()
-    meta = checkpointer.read_meta(step) if step is not None else None
+    step = meta = None
+    if checkpointer.all_steps():
+        # A damaged latest step (checksums) is moved aside by process 0 and the newest intact one
+        # resumed; every process checks, so all of them agree on the step.
+        step, meta = checkpointer.newest_intact(log=log, move_damaged=is_main)
+    barrier(f"{name}-intact")
+    checkpointer.reload()
     return checkpointer, step, meta
 
 

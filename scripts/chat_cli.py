@@ -13,6 +13,7 @@ engine runs it (calculator, else the sandbox) and the output appears in the repl
 
 from __future__ import annotations
 
+import math
 import sys
 
 from flaxchat.chat_mode import MODE_HELP, MODES
@@ -35,10 +36,20 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_sampling(args) -> None:
+    """What `engine.make_sampling` does not check: NaN fails every comparison, so `temperature < 0`
+    let -t nan through silently (top_p's range check already refuses it)."""
+    if not 0 <= args.temperature < math.inf:
+        raise UserError(f"-t/--temperature must be 0 (greedy) or a positive number (got {args.temperature}).")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("the prompt given with -p is empty; write something to say to the model.")
+    check_sampling(args)
 
     # --- model, tokenizer, engine ---------------------------------------------------------------
     from flaxchat import chat_mode

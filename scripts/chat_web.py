@@ -7,7 +7,8 @@ Endpoints: `GET /` the page; `GET /health` status, slots and queue; `POST /chat/
 answers a stream of server-sent events `data: {"token": "..."}` ending with `data: {"done": true}`.
 Several users at once: `--slots` replies are generated concurrently (one compiled engine shared by
 all), further requests wait in a queue (they get `{"queued": n}` events meanwhile) and are refused
-with 503 only past `--max-queue`. Bad requests get HTTP 400 with one sentence in {"error": ...}.
+with 503 only past `--max-queue`. Bad requests get HTTP 400 with one sentence in {"error": ...};
+a body larger than `--max-body-bytes` (1 MiB) gets 413 and is not read further.
 A model finetuned by scripts.sft or scripts.rl chats; a base model (pretraining only) continues the
 last message's text instead (`--mode` overrides; `/health` and the page say which).
 """
@@ -45,11 +46,15 @@ class Limits:
     max_queue: int = 256  # waiting requests beyond the busy slots; more get 503
     temperature: float = 0.6
     top_k: int = 50
+    # The largest request body read. The largest valid body is --max-messages x --max-message-chars
+    # characters, up to 6 bytes each as JSON escapes (160,000 characters: 960 KB) plus the keys.
+    max_body_bytes: int = 1_048_576
 
     def check(self) -> None:
         """The server's own limits and defaults, as flags: one sentence at start-up, not a 400 on
         every request that leaves a field to its default."""
-        for name, lo in (("max_message_chars", 1), ("max_messages", 1), ("max_tokens", 1), ("max_queue", 0)):
+        for name, lo in (("max_message_chars", 1), ("max_messages", 1), ("max_tokens", 1), ("max_queue", 0),
+                         ("max_body_bytes", 64)):
             if getattr(self, name) < lo:
                 raise UserError(f"--{name.replace('_', '-')} must be at least {lo} (got {getattr(self, name)}).")
         for name, lo, hi in (("default_max_tokens", 1, self.max_tokens), ("temperature", *RANGES["temperature"]),
@@ -67,11 +72,32 @@ LIMITS_HELP = {
     "max_queue": "requests that may wait beyond the busy slots; more get HTTP 503",
     "temperature": "sampling temperature for a request that names none (0: greedy; at most 2)",
     "top_k": "sample among the k likeliest tokens for a request that names none (0: all)",
+    "max_body_bytes": "largest request body the server reads, in bytes; a larger one gets HTTP 413",
 }
 
 
 class BadRequest(Exception):
-    """One sentence for the client, sent as HTTP 400."""
+    """One sentence for the client, sent as HTTP 400 (or `status`)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, read only up to `limit` bytes: a larger one is refused (413) without
+    holding it in memory (a 200 MB body used to be read whole)."""
+    too_big = f"the request body is larger than the server's limit of {limit:,} bytes (--max-body-bytes)."
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(too_big, 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(too_big, 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def parse_request(body: bytes, limits: Limits) -> dict:
@@ -80,6 +106,9 @@ def parse_request(body: bytes, limits: Limits) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON ({e}).") from None
+    except RecursionError:  # json nests one Python call per level: 100,000 levels overflow the stack
+        raise BadRequest("the request body is JSON nested too deeply to read; send a flat "
+                         "{\"messages\": [...]} object.") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object with a 'messages' list.")
     messages = data.get("messages")
@@ -178,12 +207,14 @@ def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), 
     @app.post("/chat/completions")
     async def chat(request: Request):
         try:
-            req = parse_request(await request.body(), limits)
+            req = parse_request(await read_body(request, limits.max_body_bytes), limits)
             if mode == "chat":
                 prompt = chat_prompt(tokenizer, req["messages"])
             else:
                 prompt = completion_prompt(tokenizer, req["messages"][-1]["content"])
-        except (BadRequest, UserError) as e:
+        except BadRequest as e:
+            return error(e.status, str(e))
+        except UserError as e:
             return error(400, str(e))
         if len(prompt) >= context:
             return error(400, f"the conversation is {len(prompt)} tokens long but the model's context holds "

@@ -18,7 +18,7 @@ import sys
 import time
 
 from flaxchat.config import ArgumentParser
-from flaxchat.errors import cli_main
+from flaxchat.errors import UserError, cli_main
 
 
 def parse_args(argv):
@@ -45,22 +45,26 @@ def default_output(checkpoint: str, quantize: bool) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from flaxchat import paths
     from flaxchat.export import build_model, read_any
     from flaxchat.kernels import portable
     from flaxchat.export.tflite import require_converter, require_interpreter, save_tflite
 
+    if not paths.exists(args.checkpoint):
+        raise paths.missing_bucket(args.checkpoint) or UserError(
+            f"{args.checkpoint} does not exist; pass a run folder, a model.pkl or a weights.npz.")
+    output = args.output or default_output(args.checkpoint, args.quantize)
+    paths.check_destination(output, "--output", file=True)  # before the minutes of conversion
     require_converter()  # say so before any slow work
     if args.verify:
         require_interpreter()
     cfg, params, _ = read_any(args.checkpoint)
     model = build_model(cfg, params, kernels=portable())  # plain XLA ops, which LiteRT converts
-    output = args.output or default_output(args.checkpoint, args.quantize)
     path, info = save_tflite(model, output, seq_len=args.seq_len, prefill_len=args.prefill_len, quantize=args.quantize)
     print(f"wrote {path} ({info['bytes'] / 1e6:.2f} MB; float {info['float_bytes'] / 1e6:.2f} MB): "
           f"StableHLO export {info['export_s']:.1f}s, conversion {info['convert_s']:.1f}s"
           + (f", quantization {info['quantize_s']:.1f}s {info['quantization']}" if args.quantize else ""))
     if args.verify:
-        from flaxchat import paths
         lite = path if not paths.is_remote(path) else paths.read_bytes(path)  # the interpreter takes bytes too
         for key, value in verify(model, lite).items():
             print(f"verify {key}: {value}")

@@ -7,7 +7,8 @@
 
 `all` means the built-in chat tasks (chat, spelling, spell, arithmetic) and the built-in CORE set
 stories_cloze; dataset tasks read files and are named `name:PATH`. Prints a table, writes
-<run>/eval.json and appends an "Evaluation" section to <run>/report.md (`--model` may be gs://).
+<run>/eval.json and appends an "Evaluation" section to <run>/report.md, or into --out-dir (`--model`
+and --out-dir may be gs://).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=None,
+                   help="where eval.json and the report's Evaluation section go (default: the model's run folder)")
     return p.parse_args(argv)
 
 
@@ -66,6 +69,8 @@ def plan(args) -> tuple[list[str], list[str]]:
                              ("--bpb-tokens", args.bpb_tokens, 1)):
         if value is not None and value < low:
             raise UserError(f"{name} must be at least {low} (got {value}).")
+    if not 0 <= args.temperature < float("inf"):  # nan fails this too
+        raise UserError(f"-t/--temperature must be 0 (greedy) or a positive number (got {args.temperature}).")
     tasks, core = [], []
     for spec in _split_list(args.tasks):
         if spec == "all":
@@ -98,6 +103,9 @@ def run(args) -> dict:
     tasks, core = plan(args)
     from flaxchat.loading import resolve
     run_dir = resolve(args.model, args.step).run_dir  # a missing folder fails here, before any import
+    out_dir = args.out_dir or str(run_dir)
+    from flaxchat import paths
+    paths.check_destination(out_dir, "--out-dir")  # results are written after the evaluation: check now
 
     # Heavy imports here so that --help and bad flags answer at once.
     from flaxchat import evaluation as E
@@ -162,9 +170,14 @@ def run(args) -> dict:
                    generation=generation, results=rows, core=summary["value"] if summary else None,
                    seconds=time.time() - t_start, time=time.strftime("%Y-%m-%d %H:%M:%S"))
     from flaxchat.report import write_json
-    run = paths.RunFolder(run_dir)  # local or gs://: the model's own folder, as the stages write theirs
-    write_json(run.eval, results)
-    append_report(run.report, results, E.markdown_table(rows), write_report)
+    out = paths.RunFolder(out_dir)  # local or gs://: the model's own folder, as the stages write theirs
+    try:
+        write_json(out.eval, results)
+        append_report(out.report, results, E.markdown_table(rows), write_report)
+    except (OSError, UserError) as e:  # the folder was writable at the start; the results are not lost with it
+        print(json.dumps(results, indent=1, default=str))
+        reason = getattr(e, "strerror", None) or e
+        raise UserError(f"could not write the results to {out_dir} ({reason}); they are printed above as JSON.") from None
     return results
 
 

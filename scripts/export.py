@@ -40,8 +40,11 @@ def main(argv=None) -> int:
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
     if not platforms or set(platforms) - {"cpu", "cuda", "rocm", "tpu"}:
         raise UserError(f"--platforms takes a comma-separated list of cpu, cuda, rocm, tpu (got {args.platforms!r}).")
-    files = export_run(args.run_dir, args.out_dir, step=args.step, seq_len=args.seq_len, platforms=platforms)
     from flaxchat import paths as fs
+    from flaxchat.export.source import checkpoint_dir
+    checkpoint_dir(args.run_dir)  # a missing run folder is said first (and no export/ is made for it)
+    fs.check_destination(args.out_dir or fs.RunFolder(args.run_dir).export, "--out-dir")
+    files = export_run(args.run_dir, args.out_dir, step=args.step, seq_len=args.seq_len, platforms=platforms)
     for name, path in files.items():
         size = fs.size(path) if not fs.isdir(path) else sum(fs.size(p) for p in fs.listdir(path, recursive=True))
         print(f"{name:10s} {path}  ({size / 1e6:.2f} MB)")

@@ -348,6 +348,15 @@ def _run(tc: TrainConfig) -> dict:
     batches.close()
     step_fn.sync()
     train_seconds = time.time() - t_loop
+    if smooth is None or (last_bpb is None and tc.eval_every > 0):
+        # A rerun of a finished run (killed after its last save, before COMPLETE) trains nothing:
+        # its figures come from the metrics that run logged, the final val bpb measured if missing.
+        smooth, last_bpb = finished_figures(metrics.read(), steps, smooth, last_bpb)
+        if last_bpb is None and tc.eval_every > 0:
+            last_bpb = evaluate()
+            print0(f"step {step:05d} | val bpb {last_bpb:.4f}")
+            if compute.is_main:
+                metrics.append(kind="val", step=step, val_bpb=last_bpb)
 
     # --- samples, report, completion marker -------------------------------------------------------
     samples = stories()
@@ -379,6 +388,18 @@ def _run(tc: TrainConfig) -> dict:
            f"report {run.report}")
     summary["samples"] = samples
     return summary
+
+
+def finished_figures(entries: list[dict], steps: int, smooth: float | None, last_bpb: float | None):
+    """(smoothed loss, final val bpb) of a run from its metrics log, where the loop did not compute
+    them: the loss smoothed as the loop smooths it, the bpb only if measured at the last step."""
+    if smooth is None:
+        for e in entries:
+            if e.get("kind") == "train" and e.get("loss") is not None:
+                smooth = e["loss"] if smooth is None else 0.9 * smooth + 0.1 * e["loss"]
+    if last_bpb is None:
+        last_bpb = next((e["val_bpb"] for e in entries if e.get("kind") == "val" and e.get("step") == steps), None)
+    return smooth, last_bpb
 
 
 def _until_bos(tokens, bos):

@@ -51,7 +51,10 @@ def main(argv=None) -> int:
     from flaxchat.data.sources import resolve_source
 
     # --- checks
+    from flaxchat import paths
+
     out = Path(args.out) if args.out else get_default_tokenizer_dir()
+    paths.check_destination(str(out), "--out")  # a file or a read-only place fails now, not after training
     if (out / FILENAME).exists() and not args.force:
         raise UserError(f"{out} already has a tokenizer; pass --force to overwrite it or --out for another folder")
     if min(args.max_chars, args.doc_cap, args.eval_docs) < 1:  # --doc-cap 0 read the whole corpus into nothing

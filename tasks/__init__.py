@@ -39,6 +39,11 @@ def get_task(name: str, **kwargs) -> Task:
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
+# A weight repeats a task's examples: more than this many repeats is a typo, not a recipe (a weight
+# of 1e9 on the 8,000 built-in chat examples asked for 8e12 index entries and ate the memory).
+MAX_WEIGHT = 1000.0
+
+
 def parse_mix(spec: str, seed: int = 0, **kwargs) -> TaskMixture:
     """'a:2,b,c:0.5' -> a mixture of tasks a (twice), b, and half of c; 'gsm8k@data/gsm8k.parquet'
     gives a file-based task its path. kwargs (e.g. split) go to every task."""
@@ -51,6 +56,9 @@ def parse_mix(spec: str, seed: int = 0, **kwargs) -> TaskMixture:
         if w and not _is_number(w):
             raise UserError(f"bad weight {w!r} for task {name!r} in {spec!r}; write name:weight, e.g. chat:2.")
         weight = float(w) if w else 1.0
+        if not (0 < weight <= MAX_WEIGHT):  # also refuses nan and inf
+            raise UserError(f"the weight of task {name!r} in {spec!r} must be a number above 0 and at most "
+                            f"{MAX_WEIGHT:g} (got {w}); 2 repeats every example twice, 0.5 takes half of them.")
         tasks.append(get_task(name, **(dict(kwargs, path=path) if path else kwargs)))
         weights.append(weight)
     return TaskMixture(tasks, weights, seed=seed)

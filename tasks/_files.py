@@ -129,13 +129,18 @@ def _read_parquet(f: str, columns: Sequence[str], dataset: str) -> list[dict]:
 
 def _read_jsonl(f: str, columns: Sequence[str], dataset: str) -> list[dict]:
     rows = []
-    with (gzip.open(f, "rt", encoding="utf-8") if f.endswith(".gz") else open(f, encoding="utf-8")) as lines:
-        for n, line in enumerate(lines, 1):
+    with (gzip.open(f, "rb") if f.endswith(".gz") else open(f, "rb")) as lines:
+        for n, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"line {n} of {f} is not UTF-8 text (byte {e.start + 1} of the line); "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
                 raise UserError(f"line {n} of {f} is not valid JSON") from None
             if not isinstance(row, dict):
                 raise UserError(f"line {n} of {f} is not a JSON object")
@@ -167,6 +172,15 @@ class FileTask(Task):
             rows = read_rows(self.files, self.columns, self.dataset)
             if not rows:
                 raise UserError(f"the {self.split} files of {self.dataset} at {self.path} hold no rows")
+            # Every row converted once, here: a malformed row fails before any model loads, not
+            # when training reaches it (460k SmolTalk-shaped rows: 3.4 s on a busy 2-core CPU).
+            for row in rows:
+                try:
+                    self.convert(row)
+                except UserError:
+                    raise
+                except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
+                    raise self.bad_row(row, f"is not in the {self.dataset} format ({type(e).__name__}: {e})") from None
             if self.seed is not None:
                 random.Random(self.seed).shuffle(rows)
             self._rows = rows

@@ -13,6 +13,7 @@ plain text); `reward` is what RL maximises (by default 1.0 for a correct reply, 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from typing import Sequence
@@ -115,6 +116,11 @@ def expand(template: str, rng: random.Random) -> str:
     return template
 
 
+# The mixture keeps an index entry per example (~70 bytes): 50M is 3.5 GB. nanochat's SFT mixture
+# is about 1M examples.
+MAX_MIXTURE = 50_000_000
+
+
 class TaskMixture:
     """Several tasks as one shuffled list. `weights` repeat a task (2.0 = every example twice;
     fractions take a prefix), and the order is a deterministic shuffle by `seed`."""
@@ -123,9 +129,13 @@ class TaskMixture:
         if not tasks:
             raise UserError("the task mixture is empty; name at least one task.")
         weights = list(weights) if weights is not None else [1.0] * len(tasks)
-        if len(weights) != len(tasks) or any(w <= 0 for w in weights):
-            raise UserError(f"a task mixture needs one positive weight per task (got {weights}).")
+        if len(weights) != len(tasks) or not all(0 < w < math.inf for w in weights):
+            raise UserError(f"a task mixture needs one positive, finite weight per task (got {weights}).")
         self.tasks = list(tasks)
+        size = sum(int(w) * len(t) + int(round((w - int(w)) * len(t))) for t, w in zip(self.tasks, weights))
+        if size > MAX_MIXTURE:
+            raise UserError(f"the task mixture would hold {size:,} examples, more than {MAX_MIXTURE:,} "
+                            "(about 70 bytes of memory each); lower the task weights.")
         index: list[tuple[int, int]] = []
         for t, (task, w) in enumerate(zip(self.tasks, weights)):
             whole, frac = int(w), w - int(w)

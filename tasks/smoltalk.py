@@ -30,6 +30,8 @@ class SmolTalk(FileTask):
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
             raise self.bad_row(row, "has no messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise self.bad_row(row, 'has a message that is not an object {"role": ..., "content": ...}')
         out = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
         first = 1 if out[0]["role"] == "system" else 0
         roles = [m["role"] for m in out[first:]]

@@ -1,8 +1,7 @@
 """Where exported weights come from: a training run's Orbax checkpoint, a model.pkl or a weights.npz.
 
-The checkpoint is opened read-only. `flaxchat.checkpoint.Checkpointer` cleans up half-written
-`<step>.orbax-checkpoint-tmp*` folders when it opens a folder, which is right for a resuming
-trainer and wrong for an exporter: exporting while training runs would delete the save in flight.
+The checkpoint is opened read-only (`flaxchat.checkpoint.open_reader`): exporting while training
+runs never touches the save in flight, and a damaged latest step gives way to the newest intact one.
 """
 
 from __future__ import annotations
@@ -55,20 +54,23 @@ def read_checkpoint(path: str, step: int | None = None) -> tuple[GPTConfig, dict
 
 
 def _read(ckpt: str, step: int | None) -> tuple[GPTConfig, dict, int]:
+    import sys
+
     import jax
-    import orbax.checkpoint as ocp
     from flax import nnx
 
+    from flaxchat.checkpoint import open_reader
     from flaxchat.gpt import GPT
 
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
-                                           enable_async_checkpointing=False)
     try:
-        mgr = ocp.CheckpointManager(ckpt, options=options)
-        steps = list(mgr.all_steps())
+        reader = open_reader(ckpt)  # read-only: a save in flight is neither used nor touched
+        steps = reader.all_steps()
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"{ckpt} cannot be read as a checkpoint folder ({type(e).__name__}).") from None
     if not steps:
+        reader.close()
         # A save cut short: locally Orbax's `<step>.orbax-checkpoint-tmp*` folder; on GCS the step under
         # its final name without the commit_success.txt that Orbax writes last.
         half = [n for n in paths.listdirs(ckpt) if ".orbax-checkpoint-tmp" in n or
@@ -77,26 +79,20 @@ def _read(ckpt: str, step: int | None) -> tuple[GPTConfig, dict, int]:
             raise UserError(f"{ckpt} holds only a half-written save ({half[0]}), no finished "
                             "checkpoint; let training reach its next save (or resume it) and export again.")
         raise UserError(f"no checkpoint found in {ckpt}; train first (python -m scripts.pretrain --run-dir=...).")
-    if step is None:
-        step = max(steps)
-    elif step not in steps:
-        raise UserError(f"{ckpt} has no checkpoint at step {step}; it has steps {sorted(steps)}.")
-    try:
-        meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def params_of(at: int, meta: dict) -> tuple[GPTConfig, dict]:
         cfg = GPTConfig.from_dict(meta["model_config"])
-        abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param))
-        device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract)
-        out = mgr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
-    except UserError:
-        raise
-    except Exception as e:
-        first = (str(e).splitlines() or [""])[0][:160]
-        raise UserError(f"the checkpoint {ckpt}/{step} is damaged or incomplete ({type(e).__name__}: {first}); "
-                        "export an earlier step with --step, or let training write a new one.") from None
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+        with jax.set_mesh(None):
+            reader.restore(model, step=at, device=jax.devices("cpu")[0])
+        return cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    try:
+        step, (cfg, out) = reader.use_newest_intact(params_of, step, items=("model", "meta"),
+                                                    log=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
-        mgr.close()
-    params = formats.unflatten({k: np.asarray(v) for k, v in formats.flatten(out["model"]).items()})
+        reader.close()
+    params = formats.unflatten({k: np.asarray(v) for k, v in formats.flatten(out).items()})
     formats.check_params(formats.flatten(params), cfg, f"{ckpt}/{step}")
     return cfg, params, step
 

@@ -1,0 +1,385 @@
+"""Nothing a user made is lost, end to end: readers never disturb a run that is training, kill -9 at
+several moments (mid-save among them) resumes bit for bit, a damaged latest step falls back, a full
+disk stops training with one sentence and resumes, a rerun of a finished run keeps its figures, and
+every bad input is one sentence and a non-zero exit before any long work.
+
+The training runs are depth 1 on 32-token rows (seconds per run), started as `scripts.pretrain`
+subprocesses the way a user starts them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import jax
+import numpy as np
+import pytest
+import requests
+from flax import nnx
+
+from flaxchat.errors import cli_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--depth=1", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2", "--total-batch-size=128",
+        "--sample-every=0", "--log-every=1", "--num-samples=1", "--max-chars-tokenizer=300000"]
+
+
+def _env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+def _pretrain(args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "scripts.pretrain", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _start(args):
+    return subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _params(run_dir, step=None):
+    from flaxchat.loading import load_model
+    model, _, meta = load_model(run_dir, step, with_tokenizer=False)
+    return meta["step"], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _assert_equal(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)  # bitwise
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    r = _pretrain([*TINY, "--eval-every=0", f"--run-dir={d / 'warm'}", f"--tokenizer-dir={d / 'tokenizer'}", "--steps=1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(d / "tokenizer")
+
+
+# --- readers while training --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_chat_eval_export_and_sft_read_a_run_while_it_trains_and_it_ends_as_if_undisturbed(tmp_path, tokenizer_dir):
+    """The run saves every step (keep 2) while chat_cli and sft --base (subprocesses) and the load
+    paths of chat/eval, SFT's base and export (in a loop here) read it. The old readers opened the
+    run as its owner and deleted the save in flight: the trainer died with NOT_FOUND."""
+    from flaxchat.export import read_checkpoint
+    from flaxchat.loading import load_model, read_run
+
+    common = [*TINY, "--eval-every=0", f"--tokenizer-dir={tokenizer_dir}", "--steps=80", "--save-every=1"]
+    ref = tmp_path / "undisturbed"
+    r = _pretrain([*common, f"--run-dir={ref}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = tmp_path / "live"
+    trainer = _start([*common, f"--run-dir={run}"])
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(trainer.stdout), daemon=True)
+    reader.start()
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "2").is_dir() and time.time() < deadline and trainer.poll() is None:
+        time.sleep(0.05)
+    clis = [subprocess.Popen([sys.executable, "-m", "scripts.chat_cli", "-i", str(run), "-p", "hi", "--max-tokens", "2"],
+                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+            subprocess.Popen([sys.executable, "-m", "scripts.sft", "--base", str(run), "--run-dir", str(tmp_path / "sft"),
+                              "--mix=chat:0.01", "--val-mix=chat:0.01", "--steps=1", "--device-batch-size=2",
+                              "--eval-every=0"],
+                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    reads = 0
+    while trainer.poll() is None and time.time() < deadline:
+        load_model(run, with_tokenizer=False)  # chat_cli, chat_web, eval
+        read_run(run)  # sft/rl --base, before the weights (the sft subprocess reads those too)
+        read_checkpoint(str(run))  # export
+        reads += 3
+    trainer.wait(timeout=300)
+    reader.join(10)
+    for p in clis:
+        text = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, text[-2000:]
+    assert trainer.returncode == 0, "".join(out)[-3000:]
+    assert reads >= 6, f"only {reads} reads happened while the run trained"
+    print(f"{reads} in-process reads and {len(clis)} CLI readers while the run trained 80 steps, saving each")
+    step_a, a = _params(ref)
+    step_b, b = _params(run)
+    assert step_a == step_b == 80
+    _assert_equal(a, b)
+
+
+# --- kill -9 at several moments, and the rerun of a finished run --------------------------------------
+
+MOMENTS = {  # the line after which the run is killed, the step folder that must have landed first
+    "after compiling, before any save": ("compiled the train step", None),
+    "mid-save, the first write in flight": ("step 00004 | saving checkpoint", None),
+    "mid-save of step 8, step 4 landed": ("step 00008 | saving checkpoint", "4"),
+    "after the last save, before COMPLETE": ("--- sampled stories ---", "12"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_kill_9_at_several_moments_resumes_bit_for_bit_and_a_finished_rerun_keeps_its_figures(tmp_path, tokenizer_dir):
+    common = [*TINY, "--eval-every=1000", "--eval-tokens=256", f"--tokenizer-dir={tokenizer_dir}", "--steps=12",
+              "--save-every=4"]
+    ref = tmp_path / "uninterrupted"
+    r = _pretrain([*common, f"--run-dir={ref}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref_report = [line for line in (ref / "report.md").read_text().splitlines() if "val bpb" in line or "final loss" in line]
+    assert len(ref_report) == 2 and "| - |" not in " ".join(ref_report), ref_report
+    _, want = _params(ref)
+    for n, (moment, (line_seen, landed)) in enumerate(MOMENTS.items()):
+        run = tmp_path / f"killed-{n}"
+        proc = _start([*common, f"--run-dir={run}"])
+        seen = []
+        deadline = time.time() + 300
+        for line in proc.stdout:
+            seen.append(line)
+            if line_seen in line or time.time() > deadline:
+                break
+        while landed and not (run / "checkpoints" / landed).is_dir() and time.time() < deadline:
+            time.sleep(0.01)  # the asynchronous write of that step lands (the loop waits for it at the next save)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert any(line_seen in s for s in seen), (moment, "".join(seen)[-2000:])
+        assert not (run / "COMPLETE").exists()
+        again = _pretrain([*common, f"--run-dir={run}"])
+        assert again.returncode == 0, (moment, again.stderr[-2000:])
+        step, got = _params(run)
+        assert step == 12, moment
+        _assert_equal(want, got)
+        resumed = next((line for line in again.stdout.splitlines() if line.startswith("resumed from")), "started over")
+        assert (landed is None) or resumed.startswith("resumed from step "), (moment, resumed)
+        print(f"kill -9 {moment}: {resumed.split(' in ')[0]}; the 12-step weights equal the uninterrupted run's")
+        if moment.startswith("after the last save"):  # the rerun of a finished run: nothing to train
+            assert "resumed from step 12" in again.stdout
+            last = again.stdout.strip().splitlines()[-1]
+            assert "val bpb" in last and "no validation" not in last, last
+            report = [line for line in (run / "report.md").read_text().splitlines()
+                      if "val bpb" in line or "final loss" in line]
+            assert report == ref_report, (report, ref_report)
+
+
+# --- a damaged latest step, a full disk ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_flipped_bytes_in_the_latest_step_are_caught_before_training_and_the_run_resumes_the_step_before(
+        tmp_path, tokenizer_dir):
+    common = [*TINY, "--eval-every=0", f"--tokenizer-dir={tokenizer_dir}", "--steps=8", "--save-every=4"]
+    run = tmp_path / "run"
+    r = _pretrain([*common, f"--run-dir={run}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    _, want = _params(run)
+    from test_checkpoint_integrity import damage
+    damage(str(run / "checkpoints" / "8"), "flipped bytes")
+    (run / "COMPLETE").unlink()
+    again = _pretrain([*common, f"--run-dir={run}"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    warn = [line for line in again.stdout.splitlines() if line.startswith("warning: checkpoint step 8")]
+    assert len(warn) == 1 and "does not match the checksum" in warn[0] and "using step 4" in warn[0], again.stdout
+    assert "resumed from step 4 " in again.stdout
+    moved = os.listdir(f"{run}/checkpoints.damaged")
+    assert len(moved) == 1 and moved[0].startswith("8-")  # kept, not deleted
+    _assert_equal(want, _params(run)[1])  # retrained from step 4 to where it was
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-capped tmpfs needs root (tests/test_checkpoint_integrity.py has a stand-in)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", f"flaxchat-{uuid.uuid4().hex[:6]}", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:120]})")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resumes(tmp_path, tokenizer_dir, tmpfs):
+    """Steps of ~1 MB on a 3 MB disk: the third save (step 300) cannot be written while two are kept.
+    The old loop printed tracebacks and trained on past the failed save until the next one (step
+    400, the last); now the step after the failure is known stops it (the write fails ~0.5 s after
+    it starts, and these steps take ~10 ms)."""
+    common = [*TINY, "--log-every=10", "--eval-every=0", f"--tokenizer-dir={tokenizer_dir}", "--steps=400",
+              "--save-every=100"]
+    ref = tmp_path / "ref"
+    assert _pretrain([*common, f"--run-dir={ref}"]).returncode == 0
+    run = tmpfs / "run"
+    r = _pretrain([*common, f"--run-dir={run}"])
+    assert r.returncode == 2, (r.stdout[-1000:], r.stderr[-2000:])
+    err = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr[-3000:]
+    assert err[-1].startswith("error: saving checkpoint step ") and "no space left on the device" in err[-1], err[-5:]
+    failed = int(err[-1].split()[4])
+    trained = [int(line.split()[1].split("/")[0]) for line in r.stdout.splitlines() if line.startswith("step ") and "/" in line]
+    assert failed == 300 and max(trained) < 400, trained  # stopped before the next save
+    left = sorted(os.listdir(run / "checkpoints"))
+    assert all(name.isdigit() and int(name) < failed for name in left), left  # no half step
+    subprocess.run(["mount", "-o", "remount,size=30m", str(tmpfs)], check=True)  # the user frees space
+    again = _pretrain([*common, f"--run-dir={run}"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from step {max(int(n) for n in left)} " in again.stdout
+    _assert_equal(_params(ref)[1], _params(run)[1])
+
+
+# --- bad input: one sentence, non-zero, before the work --------------------------------------------------
+
+
+def _cli(main, argv, capsys):
+    code = cli_main(main, argv)
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf", "1e9", "0"])
+def test_sft_mix_weights_must_be_finite_and_bounded(weight, tmp_path, capsys):
+    from scripts import sft
+    code, cap = _cli(sft.main, ["--base", str(tmp_path), "--run-dir", str(tmp_path / "s"), f"--mix=chat:{weight}"], capsys)
+    assert code == 2 and "weight of task 'chat'" in cap.err and "at most 1000" in cap.err, cap.err
+    assert len(cap.err.strip().splitlines()) == 1
+
+
+def test_a_mixture_too_large_for_memory_is_refused_before_it_is_built():
+    import tasks
+    from flaxchat.errors import UserError
+    with pytest.raises(UserError, match="more than 50,000,000"):
+        tasks.TaskMixture([tasks.get_task("chat")] * 20, [1000.0] * 20)
+
+
+@pytest.mark.parametrize("content,words", [
+    (b'{"messages": ["hello", "hi"]}\n', "not an object"),
+    (b'{"messages": [{"role": "user", "content": "h\xff\xfei"}, {"role": "assistant", "content": "x"}]}\n', "not UTF-8"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]}\n', "not a string"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "not valid JSON"),
+])
+def test_smoltalk_rows_of_the_wrong_shape_are_one_sentence_before_any_model_loads(content, words, tmp_path):
+    import tasks
+    from flaxchat.errors import UserError
+    good = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    f = tmp_path / "smol.jsonl"
+    f.write_bytes(good * 3 + content + good)  # the bad row is not the first: every row is checked
+    with pytest.raises(UserError, match=words):
+        tasks.parse_mix(f"smoltalk@{f}", split="train")
+
+
+def test_export_and_tok_train_refuse_a_file_as_their_folder_before_the_work(tmp_path, capsys):
+    from scripts import export, tok_train
+    afile = tmp_path / "a-file"
+    afile.write_text("mine")
+    code, cap = _cli(export.main, ["--run-dir", str(tmp_path), "--out-dir", str(afile)], capsys)
+    assert code == 2 and "is a file, not a folder" in cap.err
+    code, cap = _cli(tok_train.main, ["--out", str(afile), "--vocab-size=300", "--max-chars=200000"], capsys)
+    assert code == 2 and "is a file, not a folder" in cap.err and "reading" not in cap.out  # before training
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv,words", [(["-t", "nan"], "-t/--temperature"), (["-t", "inf"], "-t/--temperature"),
+                                        (["--top-p", "nan"], "top_p"), (["--max-tokens", "0"], "--max-tokens")])
+def test_chat_cli_sampling_flags_are_checked_before_the_model_loads(argv, words, tmp_path, capsys):
+    from scripts import chat_cli
+    code, cap = _cli(chat_cli.main, ["-i", str(tmp_path / "no-run"), "-p", "hi", *argv], capsys)
+    assert code == 2 and words in cap.err and len(cap.err.strip().splitlines()) == 1, cap.err
+
+
+@pytest.fixture
+def read_only_run(tmp_path):
+    """A run folder that cannot be written: a read-only bind mount for root (who ignores permission
+    bits), mode 555 for anyone else."""
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.loading import save_run
+    from flaxchat.tokenizer import Tokenizer
+    from test_engine import nonzero_model
+
+    run = tmp_path / "ro"
+    tok = Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(100)], 512, max_chars=50_000)
+    save_run(run, nonzero_model(seed=1), tok, step=3)
+    if os.geteuid() == 0:
+        if subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True).returncode != 0:
+            pytest.skip("cannot bind-mount a read-only folder here")
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(run)], check=True)
+        yield run
+        subprocess.run(["umount", str(run)], check=True)
+    else:
+        for d, _, _ in os.walk(run):
+            os.chmod(d, 0o555)
+        yield run
+        for d, _, _ in os.walk(run):
+            os.chmod(d, 0o755)
+
+
+def test_read_only_destinations_are_one_sentence_before_the_work(read_only_run, capsys):
+    from scripts import convert_to_tflite, eval as eval_script, export
+    before = sorted(os.listdir(read_only_run))
+    for main, argv in ((eval_script.main, ["--model", str(read_only_run), "--tasks", "spelling", "--limit", "2"]),
+                       (export.main, ["--run-dir", str(read_only_run)]),
+                       (convert_to_tflite.main, ["--checkpoint", str(read_only_run), "--no-verify"])):
+        code, cap = _cli(main, argv, capsys)
+        assert code == 2 and "cannot write to" in cap.err and len(cap.err.strip().splitlines()) == 1, cap.err
+        assert "evaluating" not in cap.out and "wrote" not in cap.out  # nothing was computed to be lost
+    assert sorted(os.listdir(read_only_run)) == before
+
+
+# --- the web server's limits ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def web():
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.engine import Engine
+    from flaxchat.tokenizer import Tokenizer
+    from scripts import chat_web
+    from test_chat_web import Server
+    from test_engine import nonzero_model
+
+    tok = Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(100)], 512, max_chars=50_000)
+    srv = Server(chat_web.create_app(Engine(nonzero_model(seed=5), tok), tok, slots=1,
+                                     limits=chat_web.Limits(max_tokens=4, max_body_bytes=300_000)))
+    yield srv
+    srv.stop()
+
+
+def _post(url, body: bytes):
+    host, port = url.split("//")[1].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request("POST", "/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_web_server_caps_the_body_refuses_deep_json_with_400_and_stays_healthy(web):
+    ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    assert _post(web.url, ok)[0] == 200
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 400_000}]}).encode()  # valid JSON, too big
+    status, body = _post(web.url, big)
+    assert status == 413 and "--max-body-bytes" in json.loads(body)["error"]
+    status, body = _post(web.url, b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nested too deeply" in json.loads(body)["error"]
+    assert requests.get(web.url + "/health", timeout=5).json()["status"] == "ok"
+    assert _post(web.url, ok)[0] == 200
+
+
+def test_the_body_limit_is_a_flag_with_help(capsys):
+    from scripts import chat_web
+    assert chat_web.parse_args(["-i", "x", "--max-body-bytes", "2048"]).max_body_bytes == 2048
+    with pytest.raises(SystemExit):
+        chat_web.parse_args(["--help"])
+    assert "--max-body-bytes" in capsys.readouterr().out
+    code, cap = _cli(chat_web.main, ["-i", "x", "--max-body-bytes", "0"], capsys)
+    assert code == 2 and "--max-body-bytes" in cap.err
