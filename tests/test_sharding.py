@@ -277,3 +277,40 @@ def test_data_parallel_sums_its_rows_then_reduces_once():
     assert dp["loops"] >= 1 and dp["reduces_in_loops"] == 0 and dp["reduces"] >= 1, dp
     assert one["reduces"] == 0, one
     assert dp["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
+_SAVE_SHARDED = """
+import sys, jax
+from flax import nnx
+from flaxchat import sharding
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT
+from flaxchat.loading import save_run
+cfg = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+mesh = sharding.make_mesh(jax.devices(), "fsdp")
+model = sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0)), None, mesh)[0]
+assert len(model.blocks[0].mlp.c_fc.kernel[...].sharding.device_set) == 4  # split over the pod's devices
+save_run(sys.argv[1], model)
+"""
+
+_CHAT_ON_ONE = """
+import sys, jax, jax.numpy as jnp
+from flaxchat.loading import load_model
+model, _, meta = load_model(sys.argv[1], with_tokenizer=False)
+print("DEVICES", jax.device_count(), float(jnp.abs(model.blocks[0].mlp.c_fc.kernel[...]).sum()))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_run_saved_on_a_pod_opens_on_one_device(tmp_path):
+    """A pod's checkpoint (parameters split over 4 devices, fsdp) loads for chat or eval on a
+    machine with one device: the arrays are restored onto it, not onto the saved topology."""
+    run = str(tmp_path / "pod-run")
+    r = subprocess.run([sys.executable, "-c", _SAVE_SHARDED, run], cwd=ROOT, env=_worker_env(4),
+                       capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", _CHAT_ON_ONE, run], cwd=ROOT, env=_worker_env(1),
+                       capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("DEVICES"))
+    assert line.split()[1] == "1" and float(line.split()[2]) > 0, line
