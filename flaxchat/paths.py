@@ -355,6 +355,11 @@ def check_writable(folder: str) -> None:
     """Create `folder` and write and delete a small probe file in it, so that a missing package,
     missing credentials or a read-only bucket stop a run with one sentence before any work is done
     (rather than at the first checkpoint, an hour in)."""
+    _probe(folder, "pick a folder you may write to", "the run folder ")
+
+
+def _probe(folder: str, advice: str, what: str = "") -> None:
+    """Make `folder`, write and delete a probe file there; a failure is one sentence with `advice`."""
     probe = join(folder, f".flaxchat-probe-{uuid.uuid4().hex[:12]}")
     try:
         makedirs(folder)
@@ -364,7 +369,7 @@ def check_writable(folder: str) -> None:
         raise
     except OSError as e:  # local: permission, read-only file system, a file where the folder should be
         reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
-        raise UserError(f"cannot write to the run folder {folder} ({reason}); pick a folder you may write to") from None
+        raise UserError(f"cannot write to {what}{folder} ({reason}); {advice}") from None
 
 
 @contextlib.contextmanager
@@ -441,48 +446,19 @@ class RunFolder:
     def path(self, *parts: str) -> str:
         return join(self.root, *parts)
 
-    @property
-    def checkpoints(self) -> str:
-        return self.path(self.CHECKPOINTS)
-
     def step(self, step: int) -> str:
         return self.path(self.CHECKPOINTS, str(step))
 
-    @property
-    def tokenizer(self) -> str:
-        return self.path(self.TOKENIZER)
-
-    @property
-    def complete(self) -> str:
-        return self.path(self.COMPLETE)
-
-    @property
-    def config(self) -> str:
-        return self.path(self.CONFIG)
-
-    @property
-    def metrics(self) -> str:
-        return self.path(self.METRICS)
-
-    @property
-    def report(self) -> str:
-        return self.path(self.REPORT)
-
-    @property
-    def loss_plot(self) -> str:
-        return self.path(self.LOSS_PLOT)
-
-    @property
-    def samples(self) -> str:
-        return self.path(self.SAMPLES)
-
-    @property
-    def eval(self) -> str:
-        return self.path(self.EVAL)
-
-    @property
-    def export(self) -> str:
-        return self.path(self.EXPORT)
+    checkpoints = property(lambda self: self.path(self.CHECKPOINTS))
+    tokenizer = property(lambda self: self.path(self.TOKENIZER))
+    complete = property(lambda self: self.path(self.COMPLETE))
+    config = property(lambda self: self.path(self.CONFIG))
+    metrics = property(lambda self: self.path(self.METRICS))
+    report = property(lambda self: self.path(self.REPORT))
+    loss_plot = property(lambda self: self.path(self.LOSS_PLOT))
+    samples = property(lambda self: self.path(self.SAMPLES))
+    eval = property(lambda self: self.path(self.EVAL))
+    export = property(lambda self: self.path(self.EXPORT))
 
     @classmethod
     def is_step(cls, folder: str) -> bool:
@@ -519,13 +495,4 @@ def check_destination(path: str, flag: str, file: bool = False) -> None:
         raise UserError(f"{flag} {path} is a file, not a folder; pick a folder (it is created if missing).")
     folder = (os.path.dirname(_local(path)) or ".") if file and not is_remote(path) else \
         (path.rsplit("/", 1)[0] if file else path)
-    probe = join(folder, f".flaxchat-probe-{uuid.uuid4().hex[:12]}")
-    try:
-        makedirs(folder)
-        write_bytes(probe, b"ok")
-        remove(probe)
-    except UserError:
-        raise
-    except OSError as e:
-        reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
-        raise UserError(f"cannot write to {folder} ({reason}); give {flag} a place you may write to.") from None
+    _probe(folder, f"give {flag} a place you may write to.")

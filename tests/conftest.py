@@ -30,3 +30,25 @@ def pytest_report_header(config):
     import jax
     return f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}); " \
            f"matmul precision {jax.config.jax_default_matmul_precision or 'default'}"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs: a real `No space left on device` for a 1.1 MB step (keep 2: 3 on disk in a save).
+    Skips where it cannot be mounted (not root, no tmpfs); tests/test_checkpoint_integrity.py has a
+    stand-in that fails a write the way a full disk does."""
+    import subprocess
+    import uuid
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-capped tmpfs needs root; the stand-in test covers the same path")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", f"flaxchat-{uuid.uuid4().hex[:6]}", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:120]})")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import uuid
 
 import jax.numpy as jnp
 import numpy as np
@@ -184,19 +182,6 @@ def test_readers_never_write_into_the_run(tmp_path):
 # --- a full disk -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 3 MB tmpfs: a real `No space left on device` for a 1.1 MB step (keep 2: 3 on disk in a save)."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-capped tmpfs needs root; the stand-in test covers the same path")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", f"flaxchat-{uuid.uuid4().hex[:6]}", str(where)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:120]})")
-    yield where
-    subprocess.run(["umount", str(where)], check=True)
 
 
 def _fill_until_it_fails(directory):

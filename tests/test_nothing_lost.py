@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import jax
 import numpy as np
@@ -193,23 +192,11 @@ def test_flipped_bytes_in_the_latest_step_are_caught_before_training_and_the_run
     _assert_equal(want, _params(run)[1])  # retrained from step 4 to where it was
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    where = tmp_path / "disk"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-capped tmpfs needs root (tests/test_checkpoint_integrity.py has a stand-in)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", f"flaxchat-{uuid.uuid4().hex[:6]}", str(where)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:120]})")
-    yield where
-    subprocess.run(["umount", str(where)], check=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resumes(tmp_path, tokenizer_dir, tmpfs):
+def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resumes(tmp_path, tokenizer_dir, small_disk):
     """Steps of ~1 MB on a 3 MB disk: the third save (step 300) cannot be written while two are kept.
     The old loop printed tracebacks and trained on past the failed save until the next one (step
     400, the last); now the step after the failure is known stops it (the write fails ~0.5 s after
@@ -218,7 +205,7 @@ def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resum
               "--save-every=100"]
     ref = tmp_path / "ref"
     assert _pretrain([*common, f"--run-dir={ref}"]).returncode == 0
-    run = tmpfs / "run"
+    run = small_disk / "run"
     r = _pretrain([*common, f"--run-dir={run}"])
     assert r.returncode == 2, (r.stdout[-1000:], r.stderr[-2000:])
     err = r.stderr.strip().splitlines()
@@ -229,7 +216,7 @@ def test_a_full_disk_stops_training_with_one_sentence_and_the_same_command_resum
     assert failed == 300 and max(trained) < 400, trained  # stopped before the next save
     left = sorted(os.listdir(run / "checkpoints"))
     assert all(name.isdigit() and int(name) < failed for name in left), left  # no half step
-    subprocess.run(["mount", "-o", "remount,size=30m", str(tmpfs)], check=True)  # the user frees space
+    subprocess.run(["mount", "-o", "remount,size=30m", str(small_disk)], check=True)  # the user frees space
     again = _pretrain([*common, f"--run-dir={run}"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from step {max(int(n) for n in left)} " in again.stdout
