@@ -116,6 +116,12 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
         # abstract arrays would carry its AbstractMesh, which Orbax cannot restore onto.
         with jax.set_mesh(None):
             model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
+            # Onto this process's first device, whatever device layout wrote the checkpoint: given no
+            # sharding, Orbax restores onto the saved one, and a run trained on 8 chips or 2 pod
+            # workers read here on one CPU failed with "Topology mismatch".
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            nnx.update(model, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one),
+                                           nnx.state(model)))
             meta = ckpt.restore(model, step=found.step)
     finally:
         ckpt.close()
