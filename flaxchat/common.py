@@ -130,7 +130,10 @@ def enable_compilation_cache() -> str | None:
 
 
 def print0(*args, **kwargs) -> None:
-    """Print on process 0 only, flushed (logs are tailed by the launcher)."""
+    """Print on process 0 only, flushed (logs are tailed by the launcher). Asking for the process
+    index starts JAX's backend, after which a multi-process job can no longer be joined, so a print
+    before compute_init (SFT's and RL's data line) joins it first: on a pod both crashed here."""
+    maybe_initialize_distributed()
     if jax.process_index() == 0:
         print(*args, **kwargs, flush=True)
 

@@ -121,9 +121,10 @@ def load_model(path: str | os.PathLike, step: int | None = None, *, with_tokeniz
         # abstract arrays would carry its AbstractMesh, which Orbax cannot restore onto.
         with jax.set_mesh(None):
             model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=resolve_dtype("auto")))
-            # onto this machine's first device, whatever topology the run was saved from (a pod's
-            # fsdp shards): without a target placement Orbax asks for the saved topology
-            return model, ckpt.restore(model, step=at, device=jax.devices()[0]), cfg
+            # Onto this process's first device, whatever device layout wrote the checkpoint: given no
+            # sharding, Orbax restores onto the saved one, and a run trained on 8 chips or 2 pod
+            # workers read here on one CPU failed with "Topology mismatch".
+            return model, ckpt.restore(model, step=at, device=jax.local_devices()[0]), cfg
 
     try:
         _, (model, meta, cfg) = ckpt.use_newest_intact(restore, found.step, items=("model", "meta"), log=_warn)

@@ -142,3 +142,44 @@ def test_interactive_base_model_continues_each_line_on_its_own(base_dir, tokeniz
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("mode: complete") and out.count("Text: ") == 3 and "Assistant" not in out
     assert prompts == [tokenizer.encode(t, prepend=tokenizer.bos_token_id) for t in ("Once upon a time", "The old dog")]
+
+
+# A run trained on another device layout (8 chips of a TPU VM, 2 pod workers) is read here on one CPU:
+# its checkpoint records the layout it was saved from, which Orbax restored onto ("Topology mismatch")
+# unless told where the arrays go. Saved with one device more than this process has, replicated over
+# all of them, as a data-parallel run leaves its parameters.
+SAVE_ON_MORE_DEVICES = r'''
+import sys, jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT
+from flaxchat.loading import save_run
+cfg = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+model = GPT(cfg, rngs=nnx.Rngs(0))
+everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P())
+nnx.update(model, jax.tree.map(lambda a: jax.device_put(a, everywhere), nnx.state(model, nnx.Param)))
+save_run(sys.argv[1], model, step=3)
+np.savez(sys.argv[2], **{"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))})
+print(jax.device_count(), flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_run_saved_on_more_devices_loads_on_this_one(tmp_path):
+    import os
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    n = jax.device_count() + 1
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+    out = subprocess.run([sys.executable, "-c", SAVE_ON_MORE_DEVICES, str(tmp_path / "run"), str(tmp_path / "w.npz")],
+                         env={**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"},
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0 and out.stdout.split()[-1] == str(n), out.stdout + out.stderr[-2000:]
+    model, _, meta = load_model(tmp_path / "run", with_tokenizer=False)
+    assert meta["step"] == 3
+    saved = np.load(tmp_path / "w.npz")
+    got = {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert sorted(got) == sorted(saved.files) and all(np.array_equal(got[k], saved[k]) for k in got)

@@ -191,6 +191,24 @@ def _export_cli(argv, capsys):
     return rc, err
 
 
+@pytest.mark.timeout(120)
+def test_a_tokenizer_in_a_bucket_is_exported_into_a_local_folder_not_made_yet(run, tmp_path):
+    """`scripts.export --run-dir=gs://... --out-dir=exports/d20-sft` (docs/deployment.md): the tokenizer
+    comes from the object store, one file at a time, into a folder here that nobody made (memory://
+    stands in for gs://: both are remote to flaxchat.paths, and nothing is written to a real bucket)."""
+    import uuid
+
+    from flaxchat import paths
+    tok = f"memory://export-{uuid.uuid4().hex}/tokenizer"
+    paths.write_text(f"{tok}/tokenizer.json", '{"vocab": 1}')
+    paths.write_text(f"{tok}/extra/notes.txt", "nested")
+    out = tmp_path / "exports" / "d1"
+    files = export_run(run["dir"], str(out), tokenizer_dir=tok)
+    assert (out / "tokenizer" / "tokenizer.json").read_text() == '{"vocab": 1}'
+    assert (out / "tokenizer" / "extra" / "notes.txt").read_text() == "nested"
+    assert files["tokenizer"] == str(out / "tokenizer") and os.path.isfile(files["pkl"])
+
+
 @pytest.mark.timeout(60)
 def test_missing_run_folder(tmp_path, capsys):
     rc, err = _export_cli([f"--run-dir={tmp_path / 'nope'}", f"--out-dir={tmp_path / 'out'}"], capsys)

@@ -148,3 +148,27 @@ def test_a_batch_every_process_holds_whole_becomes_one_global_batch():
     outs = [p.communicate(timeout=100)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all(f"OK {i}" in out for i, out in enumerate(outs)), outs
+
+
+# SFT and RL print their data line (print0) before compute_init joins the job; asking for the process
+# index starts JAX's backend, and jax.distributed.initialize then refuses ("must be called before any
+# JAX calls"): both stages crashed on every worker of a pod (seen following docs/deployment.md).
+PRINT_FIRST = r'''
+import jax
+from flaxchat.common import compute_init, print0
+print0("data: a line before the job is joined")
+compute = compute_init("float32")
+assert jax.process_count() == 2, jax.process_count()
+print("OK", jax.process_index(), flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_print_before_compute_init_still_joins_the_job():
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", PRINT_FIRST], env=cpu_env(1, **coordinator_env(port, 2, i)),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "data: a line before the job is joined" in outs[0] and "data:" not in outs[1], outs  # process 0 prints
+    assert all(f"OK {i}" in out for i, out in enumerate(outs)), outs

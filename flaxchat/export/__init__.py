@@ -72,8 +72,10 @@ def export_run(run_dir: str, out_dir: str | None = None, step: int | None = None
         dest = paths.join(out_dir, RunFolder.TOKENIZER)
         if paths.is_remote(dest) or paths.is_remote(tok):
             for src in paths.listdir(tok, recursive=True):  # a few small files, one object each
-                paths.write_bytes(paths.join(dest, src[len(tok.rstrip("/")):].lstrip("/" + os.sep)),
-                                  paths.read_bytes(src))
+                target = paths.join(dest, src[len(tok.rstrip("/")):].lstrip("/" + os.sep))
+                if not paths.is_remote(target):  # from a bucket into a local folder, which may not exist yet
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                paths.write_bytes(target, paths.read_bytes(src))
         else:
             tmp = f"{dest}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
