@@ -73,9 +73,8 @@ HELP = {
 SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
 
 
-def parse_args(argv, defaults=None, description=__doc__):
-    return parse_config(TrainConfig, argv, prog="python -m scripts.pretrain", description=description,
-                        defaults=defaults, help=HELP)
+def parse_args(argv, defaults=None, description=__doc__, prog="python -m scripts.pretrain"):
+    return parse_config(TrainConfig, argv, prog=prog, description=description, defaults=defaults, help=HELP)
 
 
 def main(argv=None, defaults=None) -> int:

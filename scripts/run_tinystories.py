@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     export = "--no-export" not in argv  # export model.pkl / weights.npz / model.stablehlo by default
     argv = [a for a in argv if a not in ("--export", "--no-export")]
-    cfg = pretrain.parse_args(argv, DEFAULTS, description=__doc__ + EXPORT_HELP)
+    cfg = pretrain.parse_args(argv, DEFAULTS, description=__doc__ + EXPORT_HELP, prog="python -m scripts.run_tinystories")
     summary = pretrain.run(cfg)
     if export and summary.get("is_main", True):
         from flaxchat.export import export_run

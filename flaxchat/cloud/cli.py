@@ -69,12 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--run: seconds to watch for a command that exits at once (default 5)")
     opt.add_argument("--heartbeat-deadline", type=float, default=rec.Policy.heartbeat_deadline_s,
                      help="--recover: a worker alive whose training step has not moved this long is hung (s)")
-    opt.add_argument("--max-restarts", type=int, default=rec.Policy.max_restarts)
+    opt.add_argument("--max-restarts", type=int, default=rec.Policy.max_restarts,
+                     help="--recover: restarts of a crashed or hung run before it gives up (default %(default)s)")
     opt.add_argument("--timeout", type=float, help="--wait/--recover: give up after this many seconds")
     opt.add_argument("--install", metavar="CMD",
                      help="--setup: the install command, run in the repo on every worker with $UV and "
                           "$FLAXCHAT_VENV set; it must leave a Python >= 3.11 that imports flaxchat at "
-                          "$FLAXCHAT_VENV/bin/python (default: uv venv --python 3.11, then -e .[tpu], "
+                          "$FLAXCHAT_VENV/bin/python (default: uv venv --python 3.11, then -e .[tpu,hub], "
                           "plus gcs for a gs:// run folder)")
     opt.add_argument("--allow-local-checkpoints", action="store_true", default=None,
                      help="--recover / a preemptible --create: accept a run folder on the VM's disk "
