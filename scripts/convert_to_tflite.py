@@ -50,14 +50,14 @@ def main(argv=None) -> int:
     from flaxchat.kernels import portable
     from flaxchat.export.tflite import require_converter, require_interpreter, save_tflite
 
+    require_converter()  # say so before anything else: nothing runs without it
+    if args.verify:
+        require_interpreter()
     if not paths.exists(args.checkpoint):
         raise paths.missing_bucket(args.checkpoint) or UserError(
             f"{args.checkpoint} does not exist; pass a run folder, a model.pkl or a weights.npz.")
     output = args.output or default_output(args.checkpoint, args.quantize)
     paths.check_destination(output, "--output", file=True)  # before the minutes of conversion
-    require_converter()  # say so before any slow work
-    if args.verify:
-        require_interpreter()
     cfg, params, _ = read_any(args.checkpoint)
     model = build_model(cfg, params, kernels=portable())  # plain XLA ops, which LiteRT converts
     path, info = save_tflite(model, output, seq_len=args.seq_len, prefill_len=args.prefill_len, quantize=args.quantize)
