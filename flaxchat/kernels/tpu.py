@@ -8,7 +8,6 @@ with the blockwise kernel (flaxchat at f418ebc, `python -m bench.device_check --
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -77,9 +76,10 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
         kt, vt = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
         # bf16 operands at the default precision: Mosaic cannot lower a bf16 dot at fp32 contract
         # precision ("Bad lhs type" on a v5e), which JAX_DEFAULT_MATMUL_PRECISION=highest would ask for.
-        bf16 = q.dtype == jnp.bfloat16
-        with jax.default_matmul_precision("default") if bf16 else contextlib.nullcontext():
-            out = jax.vmap(jax.vmap(kern))(qt, kt, vt)  # (b, Hkv, G, t, D)
+        # bf16 operands want the default matmul precision: Mosaic cannot lower a bf16 dot at fp32
+        # contract precision ("Bad lhs type" on a v5e), which a program lowered under
+        # jax.default_matmul_precision("highest") asks of it.
+        out = jax.vmap(jax.vmap(kern))(qt, kt, vt)  # (b, Hkv, G, t, D)
         return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, H, D)
 
     if sharded_mesh() is None:
