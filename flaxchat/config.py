@@ -121,6 +121,11 @@ def config_for_depth(depth: int, *, vocab_size: int = 4096, sequence_len: int = 
 SHARDINGS = ("auto", "dp", "fsdp")
 
 
+def check_sharding(sharding: str) -> None:
+    if sharding not in SHARDINGS:
+        raise UserError(f"--sharding must be auto, dp or fsdp (got {sharding!r}).")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """What every training stage's run has (pretraining's TrainConfig, SFT's and RL's StageConfig):
@@ -140,8 +145,7 @@ class RunConfig:
 
     def validate_run(self, **every: int) -> None:
         """The shared flags' checks; `every` adds a stage's own cadences (--sample-every)."""
-        if self.sharding not in SHARDINGS:
-            raise UserError(f"--sharding must be auto, dp or fsdp (got {self.sharding!r}).")
+        check_sharding(self.sharding)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
         if self.log_every < 1:
@@ -281,8 +285,3 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message} (see --help).")
 
-
-def save_json(path, obj) -> None:
-    """Write JSON atomically: a reader never sees half a file."""
-    from flaxchat.paths import write_json
-    write_json(str(path), obj, indent=2, sort_keys=True)

@@ -17,7 +17,7 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from flaxchat.config import SHARDINGS, RunConfig
+from flaxchat.config import RunConfig, check_sharding
 from flaxchat.errors import UserError
 
 
@@ -134,11 +134,6 @@ def check_folders(base: str, run_dir: str) -> None:
     if same(run_dir, found.run_dir):
         raise UserError(f"--run-dir {run_dir} is the base model's own folder; give the stage a folder of its own "
                         "so the base checkpoint is never overwritten.")
-
-
-def check_sharding(sharding: str) -> None:
-    if sharding not in SHARDINGS:
-        raise UserError(f"--sharding must be auto, dp or fsdp (got {sharding!r}).")
 
 
 def base_learning_rates(base_meta: dict) -> dict:

@@ -466,11 +466,6 @@ class RunFolder:
         name = str(folder).rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
         return name.isdigit() and isdir(join(str(folder), cls.STEP_META))
 
-    @classmethod
-    def of_checkpoints(cls, checkpoints: str) -> "RunFolder":
-        """The run folder a checkpoints folder belongs to."""
-        return cls(parent(checkpoints))
-
 
 def parent(path: str) -> str:
     """The folder holding `path` (`gs://b/run/x` -> `gs://b/run`)."""

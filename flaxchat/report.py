@@ -116,4 +116,4 @@ def write_report(path: str, *, title: str, sections: list[tuple[str, Any]]) -> s
 
 def write_json(path: str, obj) -> None:
     """JSON (indented, sorted keys), written atomically: a reader never sees half a file."""
-    paths.write_text(path, json.dumps(obj, indent=2, sort_keys=True))
+    paths.write_json(path, obj, indent=2, sort_keys=True)

@@ -37,7 +37,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from flaxchat.config import save_json
+    from flaxchat.report import write_json
     from flaxchat.paths import RunFolder
     from flaxchat.report import write_report
     from scripts import eval as evaluate
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     summary = dict(val_bpb=pre.get("val_bpb"), sft_val_loss=s.get("val_loss"), replies=s.get("replies"),
                    rl_pass_at_1=[r["pass_at_1_before"], r["pass_at_1_after"]],
                    eval_sft=ev_sft["results"], eval_rl=ev_rl["results"])
-    save_json(os.path.join(args.run_dir, "summary.json"), summary)
+    write_json(os.path.join(args.run_dir, "summary.json"), summary)
     report = RunFolder(args.run_dir).report
     write_report(report, title="flaxchat: the offline chat chain", sections=[
         ("Stages", {"pretraining val bpb": f"{pre.get('val_bpb') or 0:.4f}",

@@ -50,10 +50,6 @@ class Kernels:
     halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
     flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer
 
-    @property
-    def grad_checkpoint(self) -> bool:
-        return self.remat is not None
-
     def describe(self) -> str:
         """One line for a log: what runs where."""
         extra = ", remat (--grad-checkpoint)" if self.remat is not None else ""
