@@ -297,7 +297,7 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     tokens = accum * rows * cfg.sequence_len
     flops = {dtype: sum(ns_flops(g.shape, 5, dtype) for g in mats) for dtype in alone}
     return {"step": (ms["full"], None),
-            "fwd+bwd": (ms["noop"], tokens * estimate_flops(model, window_aware=False)),
+            "fwd+bwd": (ms["noop"], tokens * estimate_flops(model)),
             "update": (between["update"], None),
             "muon-ns": (between["muon-ns"], flops[variants["full"].ns_dtype]),
             "rest": (between["rest"], None),
@@ -406,7 +406,7 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
     compile_s = time.perf_counter() - t
     probe = probe or PeakProbe()
     tokens = accum * rows * cfg.sequence_len
-    flops = estimate_flops(model, window_aware=False)
+    flops = estimate_flops(model)
     times, mfus, peaks = [], [], []
     for _ in range(steps):
         peaks.append(probe.sample())

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from flaxchat import ops
 from flaxchat.config import GPTConfig
@@ -100,7 +101,8 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, idx, rope, kernels)
         if attend is None:
-            y = kernels.attention(q, k, v, window, self.block)
+            # named for the remat policy that keeps attention's output (kernels.tpu.REMAT_POLICIES)
+            y = checkpoint_name(kernels.attention(q, k, v, window, self.block), "attention")
         else:
             y = attend(q, k, v, window)
         return self.c_proj(y.reshape(B, T, -1), kernels)
@@ -175,6 +177,12 @@ class GPT(nnx.Module):
             return logits
         return ops.softcap(logits, self.config.logit_softcap)
 
+    def head_weight(self) -> jax.Array:
+        """The LM head's matrix (d, vocab_size) in the compute dtype (the embedding's transpose when
+        tied), for a loss that runs the head itself (the kernels record's head_loss)."""
+        w = self.wte.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return w[:, :self.config.vocab_size].astype(self.dtype)
+
     def __call__(self, idx: jax.Array, positions: jax.Array | None = None, *, attend=None,
                  prev_embedding: jax.Array | None = None, softcap: bool = True) -> jax.Array:
         """idx (B, T) int32 -> logits (B, T, vocab_size) fp32.
@@ -185,6 +193,11 @@ class GPT(nnx.Module):
         token just before idx[:, 0], for smear when decoding one token at a time. `softcap=False`
         returns the logits before the soft-cap, for the training loss (the record's cross_entropy).
         """
+        return self.head(self.trunk(idx, positions, attend=attend, prev_embedding=prev_embedding), softcap)
+
+    def trunk(self, idx: jax.Array, positions: jax.Array | None = None, *, attend=None,
+              prev_embedding: jax.Array | None = None) -> jax.Array:
+        """Everything before the head: idx (B, T) -> the residual stream (B, T, d) (hooks as __call__)."""
         cfg = self.config
         B, T = idx.shape
         x = constrain(self.embed(idx, prev_embedding), ("batch", None, None))
@@ -209,7 +222,7 @@ class GPT(nnx.Module):
                 x_backout = x
         if x_backout is not None:
             x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
-        return self.head(x, softcap)
+        return x
 
 
 def param_count(model: GPT) -> int:
@@ -247,14 +260,19 @@ def scaling_param_count(model: GPT) -> int:
     return total
 
 
-def estimate_flops(model: GPT, seq_len: int | None = None, window_aware: bool = True) -> float:
-    """Training FLOPs per token: 6 per matmul parameter + 12·h·d_head·T_eff per layer of attention.
+def mean_keys_seen(window: int, T: int) -> float:
+    """Keys a query attends to, averaged over the T positions of a causal sequence with a window:
+    query t sees min(t + 1, window) keys (causal halves full attention; a window caps it)."""
+    w = min(window, T)
+    return (w * (w + 1) / 2 + (T - w) * w) / T
 
-    `window_aware` counts only the keys each layer really attends to (sliding windows); False gives
-    the plain formula 6·N + 12·L·d·T that most papers (and our benchmark targets) use.
-    """
+
+def estimate_flops(model: GPT, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: 6 per matmul parameter, plus 12·h·d_head per key each query
+    attends to (QKᵀ and AV, 2 FLOPs each per key per channel, forward and twice that backward),
+    counting only the keys it sees: the causal triangle and each layer's window (MaxText counts the
+    same way). The one count behind every MFU flaxchat prints, the training log's and the benches'."""
     cfg = model.config
     T = seq_len or cfg.sequence_len
-    windows = cfg.window_sizes() if window_aware else [T] * cfg.n_layer
-    attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, T) for w in windows)
-    return 6 * matmul_param_count(model) + attn
+    keys = sum(mean_keys_seen(w, T) for w in cfg.window_sizes())
+    return 6 * matmul_param_count(model) + 12 * cfg.n_head * cfg.head_dim * keys

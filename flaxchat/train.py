@@ -20,6 +20,7 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
+from flaxchat import ops
 from flaxchat.gpt import GPT
 from flaxchat.sharding import BATCH, data_parallel_mesh
 
@@ -31,12 +32,23 @@ def token_losses(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array
     return jnp.where(targets >= 0, losses, 0.0)
 
 
+def loss_sum_for_gradients(model: GPT, inputs: jax.Array, targets: jax.Array, weights=None) -> jax.Array:
+    """sum over tokens of weight x cross-entropy (targets < 0 count 0): what a step differentiates.
+    Where the kernels record has a head_loss (TPU, GPU) the head and its loss run fused, a chunk of
+    tokens at a time, and the logits of the whole batch are never made."""
+    head_loss = model.kernels.head_loss
+    if head_loss is None:
+        losses = token_losses(model, inputs, targets)
+        return jnp.sum(losses if weights is None else losses * weights)
+    counted = (targets >= 0).astype(jnp.float32)
+    weights = counted if weights is None else counted * weights
+    x = ops.rms_norm(model.trunk(inputs))
+    return head_loss(x, model.head_weight(), jnp.maximum(targets, 0), weights, model.config.logit_softcap)
+
+
 def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     model = nnx.merge(graphdef, params, rest)
-    losses = token_losses(model, inputs, targets)
-    if weights is not None:
-        losses = losses * weights
-    return jnp.sum(losses), jnp.sum(targets >= 0)
+    return loss_sum_for_gradients(model, inputs, targets, weights), jnp.sum(targets >= 0)
 
 
 def _halved(batches: tuple, kernels) -> tuple:

@@ -103,7 +103,7 @@ def _run(tc: TrainConfig) -> dict:
 
     from flaxchat import paths, sharding
     from flaxchat.common import (compute_init, device_peak_flops, fmt_duration, gather_streams, global_batch,
-                                 local_streams, peak_rss_mb, print0, spec_peak_flops)
+                                 local_streams, matmul_flops, peak_rss_mb, print0, spec_peak_flops)
     from flaxchat.config import GPTConfig, config_for_depth
     from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
     from flaxchat.data.prefetch import Prefetcher
@@ -293,6 +293,13 @@ def _run(tc: TrainConfig) -> dict:
     spec = spec_peak_flops()
     peak = Peak(spec=spec * compute.device_count if spec else None,
                 probe=lambda: device_peak_flops(compute, measure=True) * compute.device_count, log=print0)
+    if spec:  # both peaks, so an MFU can be read against either
+        measured = matmul_flops(8192, jnp.bfloat16)
+        print0(f"mfu: counted against the spec sheet's {spec / 1e12:.0f} TFLOP/s per device; a bf16 8192³ matmul "
+               f"measures {measured / 1e12:.1f} here ({100 * measured / spec:.0f}% of it)")
+    else:
+        print0(f"mfu: counted against a {jnp.dtype(compute.compute_dtype).name} matmul timed here, "
+               f"{peak.flops / compute.device_count / 1e9:,.0f} GFLOP/s per device (no spec sheet for this device)")
     rate = StepRate()
     smooth, t_window, tokens_window, t_loop, compile_s = None, time.time(), 0, time.time(), None
     t_rate, step_rate_from, tps = None, step, None

@@ -12,7 +12,7 @@ from flax import nnx
 from flaxchat import kernels, ops
 from flaxchat.config import GPTConfig, config_for_depth
 from flaxchat.errors import UserError
-from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count
+from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, mean_keys_seen, param_count
 from flaxchat.kernels import cpu, cpu_attention
 
 TINY = GPTConfig(sequence_len=48, vocab_size=203, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
@@ -303,9 +303,14 @@ def test_depth_preset_and_flops():
     L, d = TINY.n_layer, TINY.n_embd
     blocks = L * (4 * d * d + 8 * d * d) - 2 * L * d * d // 2  # q,o: d*d; k,v: d*d/2 (GQA); mlp: 8d^2
     assert matmul_param_count(model) == blocks + d * TINY.padded_vocab_size
-    plain = estimate_flops(model, window_aware=False)
-    assert plain == 6 * matmul_param_count(model) + 12 * L * d * TINY.sequence_len
-    assert estimate_flops(model) < plain  # the short-window layer does less attention work
+    T = TINY.sequence_len
+    # Keys each query sees, counted on the mask: key j is seen by query i when i - w < j <= i.
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    seen = [float(((j <= i) & (j > i - w)).sum()) / T for w in TINY.window_sizes()]
+    assert min(TINY.window_sizes()) < T  # a short-window layer, so the window's cap is tested
+    assert estimate_flops(model) == pytest.approx(6 * matmul_param_count(model) + 12 * d * sum(seen), rel=1e-12)
+    # A full causal layer sees (T + 1) / 2 keys on average: half the 12·L·d·T of the plain formula.
+    assert mean_keys_seen(T, T) == (T + 1) / 2 and mean_keys_seen(4 * T, T) == (T + 1) / 2
     assert param_count(model) > matmul_param_count(model)
 
 

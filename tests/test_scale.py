@@ -1,9 +1,11 @@
 """bench.scale: a short run prints dp and fsdp side by side, fsdp's parameter bytes ~1/N of dp's."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -78,15 +80,23 @@ def test_device_batches_and_what_fits():
 
 @pytest.mark.timeout(240)
 def test_device_check_quick_prints_one_table():
-    """bench.device_check --quick on this CPU: the peak line and a row per kernel that runs here, with
-    tok/s, MFU, compile time and XLA's peak memory (CPU keeps no runtime counter). Nothing asserted
-    by the script itself; here only that it runs and reports."""
+    """bench.device_check --quick on this CPU: the peak line, and for each kernel that runs here the
+    gradient, the step and the accumulated step with tok/s, MFU against the matmul measured here
+    (no spec sheet for a CPU), compile time and XLA's memory of the program; the JSON holds them."""
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FLAXCHAT_NO_CPU_TUNING="1", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-m", "bench.device_check", "--quick"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=230)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "measured bf16 matmul peak" in r.stdout
-    rows = {m[1]: m for m in re.finditer(r"\s+d2\s+(\w+)\s+([\d,]+)\s+([\d.]+)%\s+[\d.]+ms\s+[\d.]+s\s+[\d.]+G\*", r.stdout)}
-    assert set(rows) == {"blockwise", "xla"}, r.stdout
-    assert all(float(m[3]) > 0 for m in rows.values())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        r = subprocess.run([sys.executable, "-m", "bench.device_check", "--quick", "--json", out], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=230)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = json.load(open(out))["rows"]
+    assert "matmul measures" in r.stdout
+    printed = re.findall(r"\s+d2\s+(\w+)\s+none\s+(fwd\+bwd|step|step x4)\s+([\d,]+)\s+-\s+([\d.]+)%\s+[\d.]+ms\s+"
+                         r"[\d.]+s\s+[\d.]+G", r.stdout)
+    assert {(k, what) for k, what, *_ in printed} == {(k, w) for k in ("blockwise", "xla")
+                                                      for w in ("fwd+bwd", "step", "step x4")}, r.stdout
+    assert all(float(mfu) > 0 for *_, mfu in printed)
+    # the accumulated step counts 4 micro-batches' tokens; every row has the one FLOP count
+    assert {r["tokens"] for r in rows if r["kind"] == "step x4"} == {4 * 2 * 128}
+    assert len({r["flops_per_token"] for r in rows}) == 1

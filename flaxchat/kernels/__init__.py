@@ -46,6 +46,7 @@ class Kernels:
     polar_express: Callable  # (g, steps, dtype) -> the orthogonalised g (Muon)
     ns_dtype: str  # Polar Express's dtype when --ns-dtype is auto
     remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
+    head_loss: Callable | None = None  # (x, head weight, labels, weights, cap) -> weighted loss sum, fused
     scan_unroll: int = 1  # micro-batches the accumulation runs side by side
     halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
     flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer

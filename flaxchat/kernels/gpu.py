@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 
 from flaxchat import ops
+from flaxchat.kernels.fused_loss import softcap_loss_sum
 from flaxchat.kernels.tpu import remat_block
 
 DEFAULT_ATTENTION = "cudnn"
@@ -21,7 +22,7 @@ def kernels(attention_name: str, attention, grad_checkpoint: bool):
     return Kernels(backend="gpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
                    polar_express=polar_express, ns_dtype="bfloat16",
-                   remat=remat_block if grad_checkpoint else None)
+                   remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
 
 
 def cudnn_attention(q, k, v, window: int, block: int | None = None) -> jax.Array:
