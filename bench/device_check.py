@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import time
 
 from flaxchat.errors import UserError, cli_main
@@ -239,9 +240,13 @@ def profile(compiled, state, x, y, folder: str, steps: int = 3, top: int = 12) -
         jax.block_until_ready(loss)
     ops_time = device_op_times(folder)
     total = sum(ops_time.values()) or 1.0
-    ranked = sorted(ops_time.items(), key=lambda kv: -kv[1])[:top]
-    return dict(folder=folder, state=state, top=[(name, seconds / steps * 1e3, 100 * seconds / total)
-                                                 for name, seconds in ranked])
+    kinds: dict[str, float] = {}
+    for name, seconds in ops_time.items():  # "%fusion.6606 = bf16[...] ..." -> "fusion"
+        kind = re.sub(r"\.\d+$", "", name.split(" = ")[0].lstrip("%"))
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    ranked = lambda d: [(name, seconds / steps * 1e3, 100 * seconds / total)
+                        for name, seconds in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+    return dict(folder=folder, state=state, top=ranked(ops_time), kinds=ranked(kinds))
 
 
 def device_op_times(folder: str) -> dict[str, float]:
@@ -320,8 +325,12 @@ def main(argv=None) -> int:
                     print(f"{'d' + str(depth):>5} {kernel:>9} {remat:>9} {r['kind']:>9} {r['tok_s']:>10,.0f} "
                           f"{spec_mfu} {100 * r['mfu_measured']:>7.1f}% {r['ms']:>7.1f}ms {r['compile_s']:>7.1f}s "
                           f"{r['program_bytes'] / 2**30:>7.2f}G", flush=True)
-                    for name, ms, share in r.get("profile", {}).get("top", []):
-                        print(f"{'':>16} {share:5.1f}% {ms:8.2f} ms/step  {name[:90]}")
+                    prof = r.get("profile", {})
+                    for title in ("top", "kinds") if prof else ():
+                        print(f"{'':>16} device time by {'operation' if title == 'top' else 'kind of operation'} "
+                              f"(a loop's own line includes its body's operations):")
+                        for name, ms, share in prof[title]:
+                            print(f"{'':>16} {share:5.1f}% {ms:8.2f} ms/step  {name[:90]}")
                 peak = results[-1].get("runtime_peak_bytes") or peak
                 rows.extend(results)
     print("-" * len(head))

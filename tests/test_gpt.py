@@ -328,3 +328,21 @@ def test_impossible_configs_say_what_is_wrong(kwargs, words):
 def test_depth_zero_is_refused():
     with pytest.raises(UserError, match="depth"):
         config_for_depth(0)
+
+
+def test_a_bf16_model_stores_its_embedding_tables_in_bf16_and_its_checkpoints_load_into_fp32(tmp_path):
+    """nanochat keeps the token and value embeddings in the compute dtype; the matrices and scalars
+    stay fp32. A checkpoint written by either loads into the other (export reads a TPU run in fp32)."""
+    from flaxchat.checkpoint import Checkpointer
+    bf16 = GPT(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    tables = [bf16.wte.embedding] + [b.attn.ve.embedding for b in bf16.blocks if b.attn.ve is not None]
+    assert len(tables) > 1 and {t.dtype for t in tables} == {jnp.dtype(jnp.bfloat16)}
+    assert bf16.lm_head.kernel.dtype == bf16.blocks[0].attn.c_q.kernel.dtype == bf16.resid_lambdas.dtype == jnp.float32
+    assert GPT(TINY, rngs=nnx.Rngs(0)).wte.embedding.dtype == jnp.float32
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, bf16, None, {})
+    fp32 = GPT(TINY, rngs=nnx.Rngs(1))
+    ckpt.restore(fp32, step=1)
+    ckpt.close()
+    assert fp32.wte.embedding.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(fp32.wte.embedding[...]), np.asarray(bf16.wte.embedding[...], np.float32))

@@ -100,3 +100,18 @@ def test_device_check_quick_prints_one_table():
     # the accumulated step counts 4 micro-batches' tokens; every row has the one FLOP count
     assert {r["tokens"] for r in rows if r["kind"] == "step x4"} == {4 * 2 * 128}
     assert len({r["flops_per_token"] for r in rows}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_save_stall_times_the_steps_around_a_real_save():
+    """bench.save_stall at depth 1: it trains, saves through the Checkpointer mid-run and prints the
+    save's call, the steps after it against the median, and how long writing went on after."""
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "bench.save_stall", "--depth", "1", "--seq", "64", "--rows", "2",
+                            "--vocab", "256", "--steps", "6", "--save-at", "3", "--dir", tmp], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=230)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert os.path.isdir(os.path.join(tmp, "3"))  # the save really landed, at the step asked for
+    assert re.search(r"median step [\d.]+ ms; the save's call \d+ ms; the steps from the save on: "
+                     r"([\d.]+ ms \([\d.]+x\)(, )?){3}; writing went on \d+ ms", r.stdout), r.stdout
