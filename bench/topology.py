@@ -109,6 +109,10 @@ def compile_devices(s: Slice, command: str) -> list:
     `command` with it)."""
     if not have_libtpu():
         raise UserError(libtpu_help(command))
+    # libtpu takes /tmp/libtpu_lockfile, one process per machine, so that two never drive the same
+    # chips; a compile-only slice drives none, and a second bench, or one beside training on a TPU
+    # VM, would otherwise stop at "Internal error when accessing libtpu multi-process lockfile".
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
     with _stderr_kept_unless_failed():
         desc = topologies.get_topology_desc(platform="tpu", topology_name=s.topology_name,
