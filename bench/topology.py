@@ -1,7 +1,7 @@
 """A TPU slice's devices on this CPU machine, for compiling ahead of time with libtpu's compiler.
 
-    devices = compile_devices("v5e-8")          # 8 compile-only TPU v5 lite devices
-    mesh = sharding.make_mesh(devices, "fsdp")  # then jit(step).lower(abstract state).compile()
+    devices = compile_devices(slice_for("v5e-8"), command)  # 8 compile-only TPU v5 lite devices
+    mesh = sharding.make_mesh(devices, "fsdp")     # then jit(step).lower(abstract state).compile()
 
 `jax.experimental.topologies.get_topology_desc` asks libtpu for the devices of a slice that is not
 attached: they can be placed in a mesh and compiled for, never run on. The compiled program's
@@ -10,7 +10,7 @@ rematerialisation), not XLA:CPU's; a program that does not fit the chip's HBM fa
 the same out-of-memory message it would give on the chip.
 
 libtpu stays out of the project's environment: installed there, it makes JAX and flaxchat take the
-machine for a TPU host (`flaxchat.kernels.runs_on_cpu`). `LIBTPU_HELP` says how to install it in a
+machine for a TPU host (`flaxchat.kernels.runs_on_cpu`). `libtpu_help` says how to install it in a
 folder of its own and put that on PYTHONPATH for the one command.
 """
 from __future__ import annotations
