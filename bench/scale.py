@@ -5,6 +5,7 @@
     python -m bench.scale --depths 12,16,20,24,26 --layouts fsdp --device-batch 8,16,32 --compile-only [--grad-checkpoint]
     python -m bench.scale --depths 12 --layouts fsdp --run-steps 12
     python -m bench.scale --depths 2,4 --devices 2 --seq 64 --batch 2     # small enough to run steps
+    python -m bench.scale --topology v5e-8 --depths 12,20                 # libtpu's compiler, for 8 v5e chips
 
 For each depth and layout, one row (MiB per device):
   params         parameter count
@@ -29,12 +30,21 @@ figures extended linearly ('~'): a full compile of d24 takes ~4 minutes here, th
 The fake devices share this machine's cores and memory, so step times compare layouts, not chips.
 The memory figures are XLA:CPU's accounting of the per-device program; a TPU's compiler schedules
 the same program differently, and --dtype bfloat16 shows the activations of bf16 compute.
+
+--topology NAME (v5e-1, v5e-8, v4-32, v6e-64, v5p-8, ...) compiles for that TPU slice instead, on this
+CPU machine: libtpu's compiler, ahead of time, for the slice's devices (jax.experimental.topologies;
+bench/topology.py), with what a TPU run uses by default: bf16 compute, splash attention (Mosaic),
+Polar Express in bf16. The figures are then the TPU compiler's own, every depth is compiled in full,
+no step runs, and the fits column is that chip's HBM. A step that does not fit fails to compile with
+the chip's out-of-memory message, whose sizes the row prints. libtpu must be importable but should
+not be installed in the project's environment; without it the bench says how to install it beside.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 import time
 
@@ -49,7 +59,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depths", default="12,16,20,24", help="comma-separated --depth presets (default: %(default)s)")
-    p.add_argument("--devices", type=int, default=8, help="fake CPU devices (default: %(default)s)")
+    p.add_argument("--devices", type=int, default=8,
+                   help="fake CPU devices (default: %(default)s; with --topology, the slice's chips)")
+    p.add_argument("--topology", default=None,
+                   help="compile for this TPU slice with libtpu instead of fake CPU devices: v5e-1, v5e-8, "
+                        "v4-32, v6e-64, v5p-8, ... (Cloud TPU's accelerator names; v5e is v5litepod)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default: %(default)s, the seed's)")
     p.add_argument("--batch", type=int, default=None,
                    help="rows per step over all devices, one micro-batch; must divide over --devices")
@@ -57,11 +71,13 @@ def parse_args(argv):
                    help="comma-separated rows per device, one table row each, e.g. 8,16,32 "
                         "(pretrain's --device-batch-size; default: 8 unless --batch is given)")
     p.add_argument("--attention", default="auto", help="attention kernel (flaxchat.kernels; auto is blockwise on these "
-                   "CPU devices, whose memory, O(T), is what splash and cuDNN also keep) (default: %(default)s)")
+                   "CPU devices, whose memory, O(T), is what splash and cuDNN also keep, and splash with "
+                   "--topology) (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s, pretrain's)")
     p.add_argument("--grad-checkpoint", action="store_true", help="rematerialise each block in the backward pass")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype; parameters and optimizer state stay fp32 (default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="compute dtype; parameters and optimizer state stay fp32 (default: float32, "
+                        "bfloat16 with --topology, as training picks on a TPU)")
     p.add_argument("--layouts", default="dp,fsdp", help="comma-separated: dp, fsdp (default: %(default)s)")
     p.add_argument("--run-steps", default="auto",
                    help="which depths to time one step for: auto (where it fits RAM and --max-step-s), "
@@ -69,11 +85,21 @@ def parse_args(argv):
     p.add_argument("--max-step-s", type=float, default=20.0,
                    help="auto: run a step only if its FLOPs take at most this long at the matmul peak (default: %(default)s)")
     p.add_argument("--compile-only", action="store_true", help="compile and report memory; run no step")
-    p.add_argument("--exact-up-to", type=int, default=12,
+    p.add_argument("--exact-up-to", type=int, default=None,
                    help="deeper presets that are not run are compiled at 4 and 8 layers of their width and "
                         "XLA's figures extrapolated to their depth (a compile of d24 takes ~4 min here); "
-                        "a large value compiles every depth in full (default: %(default)s)")
+                        "a large value compiles every depth in full (default: 12; with --topology, every depth in full)")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.slice = None
+    if args.topology is not None:
+        from bench.topology import slice_for
+        args.slice = slice_for(args.topology)
+        args.devices = args.slice.chips
+        args.run_steps = "none"  # compile-only devices: nothing runs on them
+    args.dtype = args.dtype or ("bfloat16" if args.slice else "float32")
+    if args.exact_up_to is None:
+        args.exact_up_to = 10**6 if args.slice else 12
     try:
         args.depth_list = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
@@ -94,7 +120,8 @@ def parse_args(argv):
         raise UserError("--devices and --batch must be at least 1 and --seq at least 2.")
     for batch in args.batch_list:
         if batch % args.devices:
-            raise UserError(f"--batch {batch} does not split over {args.devices} devices; use a multiple of "
+            where = f"the {args.devices} chips of {args.slice.accelerator}" if args.slice else f"{args.devices} devices"
+            raise UserError(f"--batch {batch} does not split over {where}; use a multiple of "
                             f"{args.devices} (every device takes the same number of rows).")
     args.batch = args.batch_list[0]
     if args.compile_only:
@@ -121,6 +148,23 @@ def fake_devices(n: int) -> None:
                             f"run `python -m bench.scale` in a fresh process for {n} fake CPU devices.") from None
 
 
+def target_devices(args):
+    """The devices the bench compiles for: N fake CPU devices (None: jax.devices()), or with --topology
+    the slice's compile-only TPU devices. Either way this process computes on the CPU: it traces, and
+    libtpu's compiler (loaded as a plugin beside it) compiles."""
+    if args.slice is None:
+        fake_devices(args.devices)
+        return None
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:  # the backend has started (e.g. in a test process): it is the CPU's or it
+        pass              # is a chip's, and either traces the step the same way
+    from bench.topology import compile_devices
+    return compile_devices(args.slice, "python -m bench.scale " + shlex.join(args.argv))
+
+
 def available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -136,20 +180,26 @@ def available_ram() -> int:
 
 
 def kernels_of(args):
-    """The kernels record the bench's flags name (--attention, --grad-checkpoint)."""
+    """The kernels record the bench's flags name (--attention, --grad-checkpoint): this machine's,
+    or with --topology the TPU's, its splash kernel lowered for the chip (bench.topology)."""
     from flaxchat.kernels import choose
-    return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+    if args.slice is None:
+        return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+    from bench.topology import splash_compiled
+    k = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+    return dataclasses.replace(k, attention=splash_compiled) if k.attention_name == "splash" else k
 
 
-def build(cfg, dtype, mesh, abstract: bool, kernels=None):
-    """(model, optimizer) placed on `mesh` by the sharding rules; ShapeDtypeStructs when `abstract`."""
+def build(cfg, dtype, mesh, abstract: bool, kernels=None, ns_dtype: str = "float32"):
+    """(model, optimizer) placed on `mesh` by the sharding rules; ShapeDtypeStructs when `abstract`.
+    `ns_dtype`: Polar Express's dtype (pretrain's --ns-dtype auto takes the kernels record's)."""
     from flax import nnx
 
     from flaxchat import sharding
     from flaxchat.gpt import GPT
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
 
-    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd), Schedule(1000), kernels)
+    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000), kernels)
 
     def make():
         model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)
@@ -190,14 +240,30 @@ def compile_step(cfg, mesh, args, cheap: bool):
 
     # Built outside the mesh context, as pretrain does (under one, nnx.eval_shape would place each
     # variable by its own metadata instead of by our rules).
-    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True, kernels=kernels_of(args))
+    model, opt = build_for(cfg, mesh, args, abstract=True)
     batch = NamedSharding(mesh, P(None, sharding.BATCH))
     xs = jax.ShapeDtypeStruct((1, args.batch, cfg.sequence_len), jnp.int32, sharding=batch)
     graphdef, state = nnx.split((model, opt))
     t = time.perf_counter()
+    if args.slice is not None:
+        # The abstract mesh is all the trace needs (the arguments carry the real shardings). Under the
+        # concrete mesh of compile-only TPU devices, splash's mask tables, made concrete while tracing
+        # (jax.ensure_compile_time_eval), would be put on those devices and fail. No CPU codegen options.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = pure_step(graphdef).lower(state, xs, xs).compile()
+        return compiled, time.perf_counter() - t, batch
     with jax.set_mesh(mesh):  # the model's logical activation constraints resolve on this mesh
         compiled = pure_step(graphdef).lower(state, xs, xs).compile(CHEAP_CODEGEN if cheap else None)
     return compiled, time.perf_counter() - t, batch
+
+
+def build_for(cfg, mesh, args, abstract: bool):
+    """`build` with the bench's flags; with --topology, Polar Express in the TPU record's dtype, as
+    pretrain picks it there."""
+    import jax.numpy as jnp
+    kernels = kernels_of(args)
+    return build(cfg, jnp.dtype(args.dtype), mesh, abstract, kernels=kernels,
+                 ns_dtype=kernels.ns_dtype if args.slice is not None else "float32")
 
 
 def memory(compiled) -> dict:
@@ -216,13 +282,15 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     from flaxchat import sharding
     from flaxchat.common import measured_matmul_peak
 
-    mesh = sharding.make_mesh(jax.devices(), layout)
-    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=True, kernels=kernels_of(args))
+    mesh = sharding.make_mesh(args.target_devices or jax.devices(), layout)
+    model, opt = build_for(cfg, mesh, args, abstract=True)
     param_dev = max(sharding.bytes_per_device(nnx.state(model, nnx.Param)).values())
     opt_dev = max(sharding.bytes_per_device(nnx.state(opt)).values())
     row = dict(params=sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param))),
                param_dev=param_dev, opt_dev=opt_dev, step_s=None, why="", fit=False)
     del model, opt
+    if args.slice is not None:
+        return row | compile_for_slice(cfg, mesh, args)
     ram = available_ram()
     L = cfg.n_layer
     if run != "yes" and L > args.exact_up_to and L > 8:
@@ -254,7 +322,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
         compiled, seconds, batch = compile_step(cfg, mesh, args, cheap=False)
         row.update(compile_s=seconds, cheap=False)
     # --- one real step: allocate, warm up once (first-touch page faults), time the second ---
-    model, opt = build(cfg, jnp.dtype(args.dtype), mesh, abstract=False, kernels=kernels_of(args))
+    model, opt = build_for(cfg, mesh, args, abstract=False)
     real = nnx.state((model, opt))
     del model, opt
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, cfg.sequence_len), np.int32)
@@ -269,10 +337,36 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     return row
 
 
+def compile_for_slice(cfg, mesh, args) -> dict:
+    """--topology: the row's memory figures from libtpu's compile, or the sizes of its out-of-memory
+    error (a step that does not fit the chip does not compile)."""
+    t = time.perf_counter()
+    try:
+        compiled, seconds, _ = compile_step(cfg, mesh, args, cheap=False)
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory is a row; the rest is raised
+        from bench.topology import out_of_memory
+        oom = out_of_memory(str(e))
+        if oom is None:
+            raise
+        return dict(args_b=None, temp_b=oom.get("temp_b"), out_b=None, peak_b=oom.get("peak_b"),
+                    hbm_b=oom["hbm_b"], compile_s=time.perf_counter() - t, cheap=False, why="OOM", target=True)
+    return dict(memory(compiled), compile_s=seconds, cheap=False, target=True)
+
+
+def _libtpu_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return "(version unknown)"
+
+
 # --- the table -------------------------------------------------------------------------------------
 
 
 def _mib(b) -> str:
+    if b is None:  # not known: the TPU compiler's out-of-memory error names only some sizes
+        return "-"
     return f"{b / 2**20:,.0f}" if b >= 2**20 else f"{b / 2**20:.2f}"
 
 
@@ -284,33 +378,58 @@ def fits(peak_b: float) -> str:
     return " ".join(f"{'y' if peak_b <= cap else '-':>3}" for _, cap in CHIPS)
 
 
+def chip_columns(args) -> list[str]:
+    """The fits columns: every chip for XLA:CPU's figures; with --topology, the target chip alone,
+    where the compiler itself decides (a step that does not fit does not compile)."""
+    if args.slice is not None:
+        return [args.slice.accelerator.split("-")[0].replace("v5litepod", "v5e")]
+    return [name for name, _ in CHIPS]
+
+
 def format_row(depth: int, layout: str, r: dict, rows_per_device: int) -> str:
     fit = "~" if r["fit"] else ""  # extrapolated from 4- and 8-layer compiles
     step = f"{r['step_s']:.2f}s" if r["step_s"] is not None else (f"({r['why']})" if r["why"] else "-")
     mem = [f"{fit}{_mib(r[k])}" for k in ("args_b", "temp_b", "out_b", "peak_b")]
+    if r.get("target"):  # --topology: compiled for the chip, or its compiler's OOM
+        fitting = f"{'-' if r['why'] == 'OOM' else 'y':>3}"
+    else:
+        fitting = fits(r["peak_b"])
     return (f"{'d' + str(depth):>5} {layout:6} {r['params'] / 1e6:>7.1f}M {_mib(r['param_dev']):>9} "
             f"{_mib(r['opt_dev']):>8} {mem[0]:>7} {mem[1]:>7} {mem[2]:>7} {mem[3]:>8} "
-            f"{r['compile_s']:>7.1f}s{'*' if r['cheap'] else ' '} {step:>9} {rows_per_device:>4} {fits(r['peak_b'])}")
+            f"{r['compile_s']:>7.1f}s{'*' if r['cheap'] else ' '} {step:>9} {rows_per_device:>4} {fitting}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    fake_devices(args.devices)
+    t0 = time.perf_counter()
+    args.target_devices = target_devices(args)
     import jax
 
     from flaxchat.config import config_for_depth
 
-    t0 = time.perf_counter()
-    print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} devices "
-          f"on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; rows of {args.seq} tokens, "
-          f"vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state fp32, attention "
-          f"{kernels_of(args).attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}", flush=True)
+    kernels = kernels_of(args)
+    what = (f"rows of {args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state "
+            f"fp32, attention {kernels.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}")
+    if args.slice is None:
+        print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} "
+              f"devices on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; {what}", flush=True)
+    else:
+        s, dev = args.slice, args.target_devices[0]
+        print(f"bench.scale: jax {jax.__version__}, compiled by libtpu {_libtpu_version()} for {s.accelerator} "
+              f"({s.chips} x {dev.device_kind}, {s.hbm_bytes / 2**30:.0f} GiB HBM each; topology {s.topology_name}) "
+              f"on this CPU machine ({os.cpu_count()} cores); {what}, Polar Express in {kernels.ns_dtype}", flush=True)
+    chips = chip_columns(args)
     head = (f"{'depth':>5} {'layout':6} {'params':>8} {'param/dev':>9} {'opt/dev':>8} {'args':>7} {'temp':>7} "
             f"{'out':>7} {'peak/dev':>8} {'compile':>8} {'step':>9} {'rows':>4} "
-            + " ".join(f"{name:>3}" for name, _ in CHIPS))
-    print("MiB per device. param/dev, opt/dev: from the arrays' shardings; args/temp/out/peak: XLA's memory "
-          "analysis of the compiled train step; rows: per device; v5e..80G: whether peak/dev fits that chip's "
-          "memory (16, 32, 32, 95 GiB, 80 GB)")
+            + " ".join(f"{name:>3}" for name in chips))
+    if args.slice is None:
+        print("MiB per device. param/dev, opt/dev: from the arrays' shardings; args/temp/out/peak: XLA's memory "
+              "analysis of the compiled train step; rows: per device; v5e..80G: whether peak/dev fits that chip's "
+              "memory (16, 32, 32, 95 GiB, 80 GB)")
+    else:
+        print(f"MiB per device. param/dev, opt/dev: from the arrays' shardings; args/temp/out/peak: the TPU "
+              f"compiler's memory analysis of the compiled train step; rows: per device; {chips[0]}: whether it "
+              f"compiled within the chip's HBM (-: out of memory, with the sizes the compiler named)")
     print(head)
     print("-" * len(head), flush=True)
     rows, all_rows = {}, []
@@ -336,7 +455,11 @@ def main(argv=None) -> int:
         notes.append(f"~ extrapolated (not run): depths above {args.exact_up_to} are compiled at 4 and 8 "
                      "layers of their width and XLA's figures extended linearly to their depth (within ~2% of a "
                      "full compile at d24); the compile column is those two compiles")
-    if any(r["why"] for r in rows.values()):
+    if any(r["why"] == "OOM" for _, _, _, r in all_rows):
+        hbm = next(r["hbm_b"] for _, _, _, r in all_rows if r["why"] == "OOM")
+        notes.append(f"(OOM): the TPU compiler found no schedule within the chip's {hbm / 2**30:.2f} GiB of usable HBM; "
+                     "temp (or peak) is the size its error named, '-' what it did not")
+    if any(r["why"] and r["why"] != "OOM" for r in rows.values()):
         notes.append("(needs NG): not run, the step would need N GiB on all fake devices, over half this machine's "
                      "RAM; (~Ns): not run, about N s per step at the measured matmul peak")
     for note in notes:
@@ -344,15 +467,21 @@ def main(argv=None) -> int:
     for depth in args.depth_list:
         if (depth, "dp") in rows and (depth, "fsdp") in rows:
             dp, fs = rows[(depth, "dp")], rows[(depth, "fsdp")]
+            if args.devices == 1 or dp["peak_b"] is None or fs["peak_b"] is None:
+                continue
             print(f"d{depth}: fsdp holds {fs['param_dev'] / dp['param_dev']:.3f} of dp's parameter bytes per device "
                   f"(1/{args.devices} = {1 / args.devices:.3f}); peak per device {_mib(fs['peak_b'])} MiB vs "
                   f"{_mib(dp['peak_b'])} MiB under dp")
     if len(args.batch_list) > 1:
+        if args.slice is None:
+            chip, fit = "a 32 GiB chip (v4, v6e)", lambda r: r["peak_b"] <= 32 * 2**30
+        else:
+            chip, fit = f"one {chips[0]} chip", lambda r: r["why"] != "OOM"
         for depth in args.depth_list:
             for layout in args.layout_list:
-                ok = [b for d, l, b, r in all_rows if d == depth and l == layout and r["peak_b"] <= 32 * 2**30]
-                print(f"d{depth} {layout}: " + (f"up to {max(ok)} rows per device fit a 32 GiB chip (v4, v6e)" if ok
-                      else "no measured device batch fits a 32 GiB chip (v4, v6e)"))
+                ok = [b for d, l, b, r in all_rows if d == depth and l == layout and fit(r)]
+                print(f"d{depth} {layout}: " + (f"up to {max(ok)} rows per device fit {chip}" if ok
+                      else f"no measured device batch fits {chip}"))
     print(f"bench.scale took {time.perf_counter() - t0:.0f}s")
     return 0
 

@@ -1,0 +1,85 @@
+"""bench.scale --topology: the train step compiled by libtpu for a named TPU slice, on this CPU machine.
+
+The compile itself needs libtpu, which CI does not have: that test skips there with the reason. The
+rest runs anywhere: the slice shapes handed to libtpu, and the one sentence a machine without
+libtpu gets.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBTPU = importlib.util.find_spec("libtpu")
+
+
+def _env(extra_path=""):
+    env = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + extra_path if extra_path else ""), PYTHONUNBUFFERED="1",
+               FLAXCHAT_NO_CPU_TUNING="1")
+    env.pop("XLA_FLAGS", None)
+    # conftest asks for 'highest' matmul precision where libtpu is importable (the suite's fp32
+    # comparisons on a chip); training compiles at the default, and Mosaic cannot lower splash's bf16
+    # dots at fp32 contract precision.
+    env.pop("JAX_DEFAULT_MATMUL_PRECISION", None)
+    return env
+
+
+def test_slices_as_libtpu_names_them():
+    """Cloud TPU names to libtpu's topology: v5e/v6e count chips on a 2D grid, v4/v5p count two
+    TensorCores per chip (megacore) on a 3D one; full v4 cubes and 16-chip sides wrap around."""
+    from bench.topology import slice_for
+    s = slice_for("v5e-8")
+    assert (s.accelerator, s.chips, s.topology_name, s.chip_config_name, s.chips_per_host_bounds) == (
+        "v5litepod-8", 8, "v5e:2x4", "default", (2, 4, 1))
+    assert slice_for("v5litepod-1").topology_name == "v5e:1x1" and slice_for("v5e-1").chips_per_host_bounds == (1, 1, 1)
+    s = slice_for("v4-32")
+    assert (s.chips, s.topology_name, s.chip_config_name, s.wrap) == (16, "v4:2x2x4", "megacore", (False,) * 3)
+    assert slice_for("v4-128").topology_name == "v4:4x4x4" and slice_for("v4-128").wrap == (True,) * 3
+    assert slice_for("v6e-64").topology_name == "v6e:8x8" and slice_for("v6e-64").hbm_bytes == 32 * 2**30
+    assert slice_for("v5e-256").wrap == (True, True, False) and slice_for("v5p-8").topology_name == "v5:2x2x1"
+
+
+def test_without_libtpu_one_sentence_with_the_install_command():
+    """A machine without libtpu (here hidden from the interpreter, as an uninstalled package is) gets
+    one line naming the pinned libtpu and how to install it beside the environment, and exit 2."""
+    from bench.topology import LIBTPU_REQUIREMENT, libtpu_help
+    code = ("import sys; sys.modules['libtpu'] = None\n"  # `import libtpu` fails, find_spec says None
+            "from flaxchat.errors import cli_main; from bench.scale import main\n"
+            "sys.exit(cli_main(main, ['--topology', 'v5e-8', '--depths', '2']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == f"error: {libtpu_help('python -m bench.scale --topology v5e-8 --depths 2')}"
+    assert "\n" not in r.stderr.strip() and "Traceback" not in r.stderr
+    assert f"pip install --no-deps --target ~/libtpu '{LIBTPU_REQUIREMENT}'" in r.stderr
+    # and a name that is no TPU slice is said before libtpu is looked for
+    r = subprocess.run([sys.executable, "-m", "bench.scale", "--topology", "v5e-3"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown TPU accelerator type 'v5e-3'"), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(LIBTPU is None, reason="libtpu is not importable here (CI has none): `pip install --no-deps "
+                    "--target DIR 'libtpu==0.0.42.*'` and put DIR on PYTHONPATH to run the TPU compile")
+def test_compiles_for_a_v5e_chip_with_splash_and_says_what_does_not_fit():
+    """A d1 model compiled by libtpu for one v5e chip: splash attention lowered for the chip (Mosaic),
+    the TPU compiler's memory figures, and at 1024 rows of 256 tokens with a 32768 vocabulary the
+    compiler's out-of-memory, as a row (256 rows compiled within 8.4 GiB: ~33 MiB a row). 1-3 min on
+    2 busy cores."""
+    where = os.path.dirname(os.path.dirname(LIBTPU.origin))
+    r = subprocess.run([sys.executable, "-m", "bench.scale", "--topology", "v5e-1", "--depths", "1", "--seq", "256",
+                        "--vocab", "32768", "--device-batch", "1,1024", "--layouts", "dp"],
+                       cwd=ROOT, env=_env(where), capture_output=True, text=True, timeout=580)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compiled by libtpu" in r.stdout and "for v5litepod-1 (1 x TPU v5 lite" in r.stdout, r.stdout
+    assert "attention splash" in r.stdout and "compute bfloat16" in r.stdout
+    rows = [l.split() for l in r.stdout.splitlines() if re.match(r"\s+d1 dp", l)]
+    assert [row[-2] for row in rows] == ["1", "1024"], r.stdout
+    fits, oom = rows
+    assert fits[-1] == "y" and float(fits[8].replace(",", "")) > 0  # peak/dev, MiB
+    assert oom[-1] == "-" and oom[-3] == "(OOM)" and float(oom[6].replace(",", "")) > 15 * 1024, r.stdout
+    assert "usable HBM" in r.stdout and "d1 dp: up to 1 rows per device fit one v5e chip" in r.stdout
