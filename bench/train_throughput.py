@@ -6,7 +6,7 @@
     python -m bench.train_throughput --configs S --steps 1 --phases    # a smoke size: does the bench run here
 
 Peak = a jitted fp32 2048³ matmul, timed here beside every measured step (a shared host drifts).
-MFU = (6·matmul params + 12·L·d·T)·tok/s ÷ peak (the plain formula, full T for every layer), per
+MFU = flaxchat.gpt.estimate_flops (6·matmul params + attention by the keys each query sees)·tok/s ÷ peak, per
 round against that round's peak, the median over rounds; the `peak` column is the rounds' median,
 and a closing line divides every row by the run's best peak instead. Modes per config:
   baseline   a straightforward port: jnp.matmul backward, --attention xla (jax.nn.dot_product_attention, dense
