@@ -205,6 +205,29 @@ def test_the_record_batches_muon_on_accelerators_and_not_on_a_cpu():
     assert not kernels.choose("cpu").muon_batched and not kernels.portable().muon_batched
 
 
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (jit, cond, ...)."""
+    from jax.extend.core import jaxprs_in_params
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from _eqns(sub)
+
+
+def test_build_optimizer_batches_muon_as_the_kernels_record_says():
+    """The record's muon_batched reaches Muon: batched products (dot_generals with a batch
+    dimension) where it is set, none where not (test_batched_muon_equals_the_per_matrix_muon holds
+    the two to the same update)."""
+    import dataclasses
+    params = nnx.state(GPT(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+    for batched in (False, True):
+        record = dataclasses.replace(kernels.choose("cpu"), muon_batched=batched)
+        tx = build_optimizer(OptimConfig(n_embd=32, ns_dtype="float32"), Schedule(30), record)
+        jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+        dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+        assert dots and any(e.params["dimension_numbers"][1][0] for e in dots) == batched
+
+
 def test_scaling_follows_nanochats_rules():
     from flaxchat.optim import B_REF, scaling
     ref = scaling(100_000_000, 100_000_000, 12, 0.28)  # the reference itself: nothing moves
