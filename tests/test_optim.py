@@ -134,15 +134,16 @@ def _low_rank_uneven(rng, m, n):
     return G * np.exp(rng.uniform(np.log(1e-3), np.log(1e2), size=(m, 1)))
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("shape,kind", [((64, 16), "full"), ((16, 64), "full"), ((32, 32), "full"),
                                         ((48, 96), "low-rank"), ((96, 40), "low-rank"), ((32, 32), "low-rank")])
-def test_muon_update_equals_nanochats_algorithm(shape, kind):
+def test_muon_update_equals_nanochats_algorithm(shape, kind, batched):
     from flaxchat.optim import muon
     rng = np.random.default_rng(sum(shape))
     m, n = shape  # torch (out, in); our kernel is its transpose (in, out)
     sched = Schedule(total_steps=100, warmup_steps=0)
     lr, wd = 0.5, 0.3  # an O(1) update, so that 1e-5 is a tight bound on it
-    tx = muon(lr, sched, weight_decay=wd)
+    tx = muon(lr, sched, weight_decay=wd, batched=batched)
     update = jax.jit(tx.update)  # one compile for the three steps; eagerly every op compiles on its own
     P = rng.normal(size=(m, n)) * 0.05
     params = {"w": jnp.asarray(P.T, jnp.float32)}
@@ -156,6 +157,75 @@ def test_muon_update_equals_nanochats_algorithm(shape, kind):
         np.testing.assert_allclose(np.asarray(updates["w"]).T, P_new - P, atol=1e-5, rtol=0)
         assert np.abs(P_new - P).max() > 0.05
         params, P = {"w": jnp.asarray(P_new.T, jnp.float32)}, P_new
+
+
+def _block_matrices(rng, layers=3):
+    """A tree shaped like the Muon group's: per layer two square matrices of different roles (c_q,
+    c_proj), a wide and a tall one, and a small gate on alternate layers."""
+    shapes = {"c_q": (32, 32), "c_proj": (32, 32), "c_fc": (32, 96), "mlp_proj": (96, 32)}
+    tree = {str(i): {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()} for i in range(layers)}
+    for i in range(1, layers, 2):
+        tree[str(i)]["gate"] = jnp.asarray(rng.normal(size=(12, 2)), jnp.float32)
+    return {"blocks": tree}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bf16-operands"])
+def test_batched_muon_equals_the_per_matrix_muon(dtype):
+    """Polar Express and NorMuon over stacks of same-shape matrices (what TPU/GPU and fsdp run) give
+    the per-matrix update, momentum and second moments, over steps where all three take part."""
+    from flaxchat.optim import muon
+    rng = np.random.default_rng(7)
+    params = _block_matrices(rng)
+    # Cautious weight decay's mask flips where the update is ~0, a jump of lr*wd*p that bf16's
+    # rounding differences can trigger: the bf16 forms compare without the decay.
+    wd = 0.3 if dtype == "float32" else 0.0
+    txs = {b: muon(0.5, Schedule(total_steps=100, warmup_steps=0), weight_decay=wd, ns_dtype=dtype,
+                   orthogonalise=polar_express, batched=b) for b in (False, True)}
+    states = {b: tx.init(params) for b, tx in txs.items()}
+    updates = {b: jax.jit(tx.update) for b, tx in txs.items()}
+    # On an O(1) update: fp32 and bf16 agreed to 8e-7 and 4e-7 here; bf16-operands, whose batched
+    # products accumulate in another order before their fp32 results are rounded to bf16, to 5e-3.
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for step in range(3):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+        out = {b: updates[b](grads, states[b], params) for b in (False, True)}
+        for b in out:
+            states[b] = out[b][1]
+        for got, want in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+        assert max(float(np.abs(u).max()) for u in jax.tree.leaves(out[True][0])) > 0.05
+        params = jax.tree.map(lambda p, u: p + u, params, out[False][0])
+
+
+def test_the_record_batches_muon_on_accelerators_and_not_on_a_cpu():
+    """TPU and GPU run Muon batched (the MXU's big batched products); the CPU's single-device step
+    keeps its tuned per-matrix forms."""
+    assert kernels.choose("tpu").muon_batched and kernels.choose("gpu").muon_batched
+    assert not kernels.choose("cpu").muon_batched and not kernels.portable().muon_batched
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (jit, cond, ...)."""
+    from jax.extend.core import jaxprs_in_params
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from _eqns(sub)
+
+
+def test_build_optimizer_batches_muon_as_the_kernels_record_says():
+    """The record's muon_batched reaches Muon: batched products (dot_generals with a batch
+    dimension) where it is set, none where not (test_batched_muon_equals_the_per_matrix_muon holds
+    the two to the same update)."""
+    import dataclasses
+    params = nnx.state(GPT(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+    for batched in (False, True):
+        record = dataclasses.replace(kernels.choose("cpu"), muon_batched=batched)
+        tx = build_optimizer(OptimConfig(n_embd=32, ns_dtype="float32"), Schedule(30), record)
+        jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+        dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+        assert dots and any(e.params["dimension_numbers"][1][0] for e in dots) == batched
 
 
 def test_scaling_follows_nanochats_rules():

@@ -6,10 +6,10 @@
 
 The record (`Kernels`) holds every choice that changes how, never what, the model computes:
 attention, the linear layer, rotary + QK-norm, the capped cross-entropy, remat, how the train step
-accumulates micro-batches, and Polar Express's form. The model keeps it (a static attribute, so a
-jitted function compiled for one record is never reused for another); the train step, the engine
-and the optimizer take it from there or from `compute_init`. Export uses `portable()`, plain XLA
-ops every runtime converts.
+accumulates micro-batches, and Polar Express's form and whether it runs batched over same-shape
+matrices. The model keeps it (a static attribute, so a jitted function compiled for one record is
+never reused for another); the train step, the engine and the optimizer take it from there or
+from `compute_init`. Export uses `portable()`, plain XLA ops every runtime converts.
 
 One file per backend holds its choices: `tpu.py` (Pallas splash attention), `gpu.py` (cuDNN flash
 attention), `cpu.py` (the XLA:CPU forms: stored transposes, hand-written backwards, the malloc
@@ -45,6 +45,7 @@ class Kernels:
     cross_entropy: Callable  # (raw logits, labels, cap) -> per-token nats of the soft-capped logits
     polar_express: Callable  # (g, steps, dtype) -> the orthogonalised g (Muon)
     ns_dtype: str  # Polar Express's dtype when --ns-dtype is auto
+    muon_batched: bool = False  # Polar Express on stacks of same-shape matrices (`optim.muon`'s batched)
     remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
     head_loss: Callable | None = None  # (x, head weight, labels, weights, cap) -> weighted loss sum, fused
     scan_unroll: int = 1  # micro-batches the accumulation runs side by side

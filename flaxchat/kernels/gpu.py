@@ -21,7 +21,7 @@ def kernels(attention_name: str, attention, grad_checkpoint: bool):
     from flaxchat.optim import polar_express
     return Kernels(backend="gpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
-                   polar_express=polar_express, ns_dtype="bfloat16",
+                   polar_express=polar_express, ns_dtype="bfloat16", muon_batched=True,
                    remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
 
 
