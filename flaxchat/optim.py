@@ -234,7 +234,7 @@ def _stacked_orthogonalise(orthogonalise_one, second_moment, gs, vs, roles, devi
     without the layer number), because one role's matrices are split alike by the sharding rules
     and so reshard as one block; a square group mixes c_q (split by rows) with c_proj (by
     columns), whose matrices XLA otherwise reshards one by one. Collectives in the optimizer step
-    on 8 fake devices at depths 2, 8, 12, 20, 24 (width 64): 17, 27, 34, 34, 28 by role; 16, 24,
+    on 8 fake devices at depths 2, 8, 12, 20, 24 (width 64): 18, 20, 24, 24, 21 by role; 18, 24,
     31, 39, 41 as one stack per shape (growing with the depth); 79 at depth 2 with the iterations
     run on the split matrices and 2 Polar Express steps, 163 with 5.
 
