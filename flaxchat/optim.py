@@ -164,8 +164,8 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         second = jax.tree.map(lambda p: jnp.zeros(_reduced_shape(p.shape), p.dtype), params)
         return MuonState(jnp.zeros([], jnp.int32), zeros, second)
 
-    def orthogonalise_one(g, v):
-        return _renormalise_normuon(orthogonalise(g, ns_steps, ns_dtype), v, beta2)
+    def orthogonalise_one(g, v, with_mean=False):
+        return _renormalise_normuon(orthogonalise(g, ns_steps, ns_dtype), v, beta2, with_mean)
 
     def second_moment(v, v_mean):  # NorMuon's running average, as `_renormalise_normuon` takes it
         return v + (1 - beta2) * (v_mean - v)
@@ -198,9 +198,8 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         else:
             g, m = zip(*map(nesterov, treedef.flatten_up_to(grads), treedef.flatten_up_to(state.momentum)))
             roles = [_role(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
-            o, second = _stacked_orthogonalise(lambda g, v: _renormalise_normuon(
-                orthogonalise(g, ns_steps, ns_dtype), v, beta2, with_mean=True), second_moment,
-                g, treedef.flatten_up_to(state.second_moment), roles, devices)
+            o, second = _stacked_orthogonalise(lambda g, v: orthogonalise_one(g, v, with_mean=True), second_moment,
+                                               g, treedef.flatten_up_to(state.second_moment), roles, devices)
             updates = list(map(apply, o, treedef.flatten_up_to(params)))
             momentum = m
         updates, momentum, second = (treedef.unflatten(list(t)) for t in (updates, momentum, second))
