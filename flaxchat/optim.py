@@ -164,8 +164,11 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         second = jax.tree.map(lambda p: jnp.zeros(_reduced_shape(p.shape), p.dtype), params)
         return MuonState(jnp.zeros([], jnp.int32), zeros, second)
 
-    def orthogonalise_one(g, v):
-        return _renormalise_normuon(orthogonalise(g, ns_steps, ns_dtype), v, beta2)
+    def orthogonalise_one(g, v, with_mean=False):
+        return _renormalise_normuon(orthogonalise(g, ns_steps, ns_dtype), v, beta2, with_mean)
+
+    def second_moment(v, v_mean):  # NorMuon's running average, as `_renormalise_normuon` takes it
+        return v + (1 - beta2) * (v_mean - v)
 
     def update(grads, state, params):
         step = state.count
@@ -195,8 +198,8 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         else:
             g, m = zip(*map(nesterov, treedef.flatten_up_to(grads), treedef.flatten_up_to(state.momentum)))
             roles = [_role(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
-            o, second = _stacked_orthogonalise(orthogonalise_one, g, treedef.flatten_up_to(state.second_moment),
-                                               roles, devices)
+            o, second = _stacked_orthogonalise(lambda g, v: orthogonalise_one(g, v, with_mean=True), second_moment,
+                                               g, treedef.flatten_up_to(state.second_moment), roles, devices)
             updates = list(map(apply, o, treedef.flatten_up_to(params)))
             momentum = m
         updates, momentum, second = (treedef.unflatten(list(t)) for t in (updates, momentum, second))
@@ -218,9 +221,10 @@ def _fsdp_devices() -> int:
     return 1 if mesh is None else mesh.shape["fsdp"]
 
 
-def _stacked_orthogonalise(orthogonalise_one, gs, vs, roles, devices: int):
-    """`orthogonalise_one(g, v) -> (o, v)` on every matrix of `gs` (second moments `vs`), run once
-    per group of same-shape matrices over their stack (jax.vmap: batched products).
+def _stacked_orthogonalise(orthogonalise_one, second_moment, gs, vs, roles, devices: int):
+    """`orthogonalise_one(g, v) -> (o, v, v_mean)` on every matrix of `gs` (second moments `vs`),
+    run once per group of same-shape matrices over their stack (jax.vmap: batched products); the
+    new second moments are `second_moment(v, v_mean)` of each matrix's own (see below).
 
     With `devices` > 1 (fsdp) the stack is padded with zero matrices (whose update is zero) to a
     multiple of the device count and split over the fsdp axis: each device orthogonalises whole
@@ -229,9 +233,15 @@ def _stacked_orthogonalise(orthogonalise_one, gs, vs, roles, devices: int):
     without the layer number), because one role's matrices are split alike by the sharding rules
     and so reshard as one block; a square group mixes c_q (split by rows) with c_proj (by
     columns), whose matrices XLA otherwise reshards one by one. Collectives in the optimizer step
-    on 8 fake devices at depths 2, 8, 12, 20, 24 (width 64): 17, 27, 34, 34, 28 by role; 16, 24,
+    on 8 fake devices at depths 2, 8, 12, 20, 24 (width 64): 18, 20, 24, 24, 21 by role; 18, 24,
     31, 39, 41 as one stack per shape (growing with the depth); 79 at depth 2 with the iterations
-    run on the split matrices and 2 Polar Express steps, 163 with 5."""
+    run on the split matrices and 2 Polar Express steps, 163 with 5.
+
+    The second moments returned are recomputed from each matrix's own (the same arithmetic as in
+    the stack), so that they keep its layout: taken from the stack, nothing in the step tied them
+    to it, XLA returned them replicated, and the next step's inputs no longer matched the compiled
+    program's (bench.scale's second step refused them). An update gets its layout from the
+    parameter it is added to."""
     groups: dict = {}
     for i, g in enumerate(gs):
         groups.setdefault((g.shape, g.dtype, vs[i].shape, vs[i].dtype), {}).setdefault(roles[i], []).append(i)
@@ -239,10 +249,10 @@ def _stacked_orthogonalise(orthogonalise_one, gs, vs, roles, devices: int):
     for by_role in groups.values():
         parts = list(by_role.values())
         G, V = (_stack([[xs[i] for i in idx] for idx in parts], devices) for xs in (gs, vs))
-        O, V = jax.vmap(orthogonalise_one)(G, V)
-        O, V = (_unstack(x, [len(idx) for idx in parts], devices) for x in (O, V))
+        O, _, M = jax.vmap(orthogonalise_one)(G, V)
+        O, M = (_unstack(x, [len(idx) for idx in parts], devices) for x in (O, M))
         for j, i in enumerate(i for idx in parts for i in idx):
-            outs[i], new_vs[i] = O[j], V[j]
+            outs[i], new_vs[i] = O[j], second_moment(vs[i], M[j])
     return outs, new_vs
 
 
@@ -283,14 +293,14 @@ def _reduced_shape(shape):
     return tuple(1 if i == ax else n for i, n in enumerate(shape))
 
 
-def _renormalise_normuon(o: jax.Array, v: jax.Array, beta2: float):
+def _renormalise_normuon(o: jax.Array, v: jax.Array, beta2: float, with_mean: bool = False):
     """Muon+ (arXiv 2602.21545), then NorMuon, from one pass of sums of squares over o.
 
     Muon+ snaps the Frobenius norm to sqrt(min(m, n)), the norm of an exactly semi-orthogonal
     matrix, correcting for the polar iteration's under-convergence: o·r. NorMuon then normalises
     per output row/column by a running second moment and keeps the total norm. Both read the
     squares of o along NorMuon's axis (their sum is ||o||², and o·r's are r² times them), so o is
-    read once and scaled once."""
+    read once and scaled once. `with_mean`: also the mean square that updated v (in v's dtype)."""
     ax = _reduce_axis(o.shape)
     of = o.astype(jnp.float32)
     n = o.shape[ax]
@@ -298,11 +308,13 @@ def _renormalise_normuon(o: jax.Array, v: jax.Array, beta2: float):
     r = math.sqrt(min(o.shape)) / jnp.maximum(jnp.sqrt(jnp.sum(sq)), 1e-6)
     v_mean = sq * (r * r / n)
     v_norm = jnp.sqrt(jnp.sum(v_mean) * n)
-    v = v + (1 - beta2) * (v_mean.astype(v.dtype) - v)
+    mean = v_mean.astype(v.dtype)
+    v = v + (1 - beta2) * (mean - v)
     step_size = jax.lax.rsqrt(jnp.maximum(v.astype(jnp.float32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v_mean * n * step_size * step_size))
     scale = step_size * (v_norm / jnp.maximum(v_norm_new, 1e-10))
-    return (of * (r * scale)).astype(o.dtype), v
+    out = (of * (r * scale)).astype(o.dtype)
+    return (out, v, mean) if with_mean else (out, v)
 
 
 # --- parameter groups ---------------------------------------------------------------------------
