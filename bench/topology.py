@@ -127,21 +127,15 @@ def _stderr_kept_unless_failed():
     accelerator type, no worker hostnames), which a compile-only slice does not need: those lines
     are held back, and shown only if the call fails."""
     import sys
-    import tempfile
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
+
+    from flaxchat.common import native_stderr_to
+    held: list[str] = []
+    try:
+        with native_stderr_to(held):
             yield
-        except BaseException:
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode(errors="replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+    except BaseException:
+        sys.stderr.write("".join(held))
+        raise
 
 
 def splash_compiled(q, k, v, window, block):

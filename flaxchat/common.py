@@ -220,6 +220,24 @@ def device_peak_flops(compute: "Compute", measure: bool = False) -> float:
 
 
 @contextlib.contextmanager
+def native_stderr_to(sink: list):
+    """Collect what native code writes to fd 2 into `sink` (one string): the TFLite converter's op
+    counts and absl banners, libtpu's warnings off a TPU VM."""
+    import tempfile
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            sink.append(tmp.read().decode(errors="replace"))
+
+
+@contextlib.contextmanager
 def mesh_scope():
     """A training stage sets its mesh with `jax.set_mesh` for its whole run; inside this scope that
     mesh is undone on leaving, so whatever runs next in the process (the next stage of run_chat, an

@@ -20,9 +20,7 @@ flatbuffer exporter shares identical weight buffers, so the file holds the weigh
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -123,33 +121,16 @@ def _convert(texts: dict) -> bytes:
         return bytes(api.export_flatbuffer_to_bytes(merged.operation))
 
 
-@contextlib.contextmanager
-def _native_stderr_to(sink: list):
-    """Collect what C++ code writes to fd 2 (the converter logs op counts and absl banners there)."""
-    import sys
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            sink.append(tmp.read().decode(errors="replace"))
-
-
 def convert(model, *, seq_len: int | None = None, prefill_len: int | None = None, quantize: bool = False) -> tuple[bytes, dict]:
     """The .tflite bytes for a float32 GPT, and what happened (timings, quantization summary)."""
+    from flaxchat.common import native_stderr_to
     require_converter()
     t0 = time.time()
     texts = _stablehlo_texts(model, seq_len, prefill_len)
     t1 = time.time()
     log: list[str] = []
     try:
-        with _native_stderr_to(log):
+        with native_stderr_to(log):
             blob = _convert(texts)
     except Exception as e:  # the MLIR bindings raise plain exceptions; the diagnostics went to fd 2
         raise RuntimeError(f"litert-converter failed: {str(e)[:2000]}\n{''.join(log)[-4000:]}") from e
