@@ -50,11 +50,14 @@ def main(argv=None) -> int:
     p.add_argument("--val-rows", required=True, help=".npz with x, y (batches, rows, seq) int32")
     p.add_argument("--seed", type=int, default=0, help="torch seed of the initialisation")
     p.add_argument("--out", required=True, help="JSON file the val bpb figures are written to")
+    p.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: torch's default)")
     args, train_args = p.parse_known_args(argv)
     train_args = [a for a in train_args if a != "--"]
 
     import numpy as np
     import torch
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     os.environ["NANOCHAT_BASE_DIR"] = args.base_dir
     sys.path.insert(0, os.path.abspath(args.nanochat))

@@ -60,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--label", default="default", help="name of flaxchat's variant in the table (default: %(default)s)")
     p.add_argument("--flaxchat-args", default="", help="extra flags for scripts.pretrain, e.g. '--weight-decay=0'")
     p.add_argument("--nanochat-args", default="", help="extra flags for nanochat's base_train")
+    p.add_argument("--nanochat-threads", type=int, default=1,
+                   help="torch's CPU threads for nanochat; on a shared 2-core machine torch's two spinning threads "
+                        "took 2-8 s a step at depth 4, one thread ~1 s (0: torch's default) (default: %(default)s)")
     p.add_argument("--out", default="runs/quality", help="folder for the prepared texts and runs (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one training run may take (default: %(default)s)")
     args = p.parse_args(argv)
@@ -209,16 +212,20 @@ def run_nanochat(root: Path, seed: int, args, nanochat: Path, python: str) -> di
     raw = out.with_suffix(".raw.json")
     cmd = [python, str(RUNNER), f"--nanochat={nanochat}", f"--base-dir={(root / 'nanochat').resolve()}",
            f"--tokenizer={(root / 'tokenizer' / 'tokenizer.json').resolve()}",
-           f"--val-rows={(root / 'val_rows.npz').resolve()}", f"--seed={seed}", f"--out={raw.resolve()}", "--",
+           f"--val-rows={(root / 'val_rows.npz').resolve()}", f"--seed={seed}", f"--threads={args.nanochat_threads}", f"--out={raw.resolve()}", "--",
            "--device-type=cpu", "--run=dummy", f"--depth={args.depth}", "--head-dim=64",
            f"--max-seq-len={args.seq}", f"--window-pattern={args.window_pattern}", f"--num-iterations={args.steps}",
            "--core-metric-every=-1", "--sample-every=-1", f"--model-tag=bench-s{seed}", *_flags(args),
            *args.nanochat_args.split()]
-    print(f"  nanochat seed {seed}: {' '.join(cmd[cmd.index('--') + 1:])}")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # flaxchat's `scripts` is not nanochat's
-    _run(cmd, out.with_suffix(".log"), env, str(nanochat), args.timeout)
-    figures = json.loads(raw.read_text())["val_bpb"]
     steps = sorted({*range(0, args.steps, args.eval_every), args.steps})
+    done = raw.is_file() and len(json.loads(raw.read_text())["val_bpb"]) == len(steps)
+    if done:  # the runner finished (its figures are all there) but this bench was stopped before reading them
+        print(f"  nanochat seed {seed}: read from {raw}")
+    else:
+        print(f"  nanochat seed {seed}: {' '.join(cmd[cmd.index('--') + 1:])}")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # flaxchat's `scripts` is not nanochat's
+        _run(cmd, out.with_suffix(".log"), env, str(nanochat), args.timeout)
+    figures = json.loads(raw.read_text())["val_bpb"]
     log = out.with_suffix(".log").read_text()
     batch = next((int(line.split("Total batch size ")[1].split()[0].replace(",", ""))
                   for line in log.splitlines() if line.startswith("Total batch size ")), args.total_batch_size)
