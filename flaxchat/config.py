@@ -175,7 +175,8 @@ class TrainConfig(RunConfig):
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
     # every LR x sqrt(B / 2^19) (nanochat): 'auto' applies it with the automatic batch (-1), where the
-    # rule belongs, and not with a batch the user gave (measured worse at small batches: docs/recipe.md)
+    # rule belongs, and with a batch the user gave when the run reads its text often enough to memorise
+    # it (scripts.pretrain.REPEAT_PASSES); below that the rule measured worse at small batches (docs/recipe.md)
     lr_batch_scaling: str = "auto"
     warmup_steps: int = 40
     warmdown_ratio: float = 0.65

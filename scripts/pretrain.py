@@ -36,8 +36,9 @@ HELP = {
     "weight_decay": "Muon's cautious weight decay at d12 and 2^19 tokens/step; scaled by sqrt(B/B_ref) x D_ref/D, "
                     "cosine to 0",
     "lr_batch_scaling": "scale every LR by sqrt(total batch / 2^19) as nanochat does: on, off, or auto (on with the "
-                        "automatic --total-batch-size -1, off with a batch you give: at 1-2K-token steps the rule "
-                        "lowered every LR 16-22x and made val bpb worse; docs/recipe.md)",
+                        "automatic --total-batch-size -1, and with a batch you give when the run reads its training "
+                        "text 2 times or more, where the LRs as given memorise it; off below that, where the "
+                        "rule's 16-22x smaller LRs at 1-2K-token steps made val bpb worse; docs/recipe.md)",
     "warmup_steps": "LR warmup steps",
     "warmdown_ratio": "fraction of the steps over which the LR falls linearly to --final-lr-frac",
     "attention": "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla, splash, cudnn",
@@ -205,7 +206,10 @@ def _run(tc: TrainConfig) -> dict:
 
     # --- optimizer ------------------------------------------------------------------------------
     schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
-    scale_lrs = tc.lr_batch_scaling == "on" or (tc.lr_batch_scaling == "auto" and tc.total_batch_size <= 0)
+    passes = estimated_passes(train_src, tokenizer, steps * total, T) if tc.lr_batch_scaling == "auto" else None
+    scale_lrs = batch_scaling_applies(tc.lr_batch_scaling, tc.total_batch_size, passes)
+    if passes is not None:
+        print0(f"data: {steps * total / 1e6:.1f}M tokens read the training text about {passes:.1f} time(s)")
     ns_dtype = compute.kernels.ns_dtype if tc.ns_dtype == "auto" else tc.ns_dtype
     opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
@@ -394,6 +398,36 @@ def _run(tc: TrainConfig) -> dict:
            f"report {run.report}")
     summary["samples"] = samples
     return summary
+
+
+# nanochat's sqrt(B/2^19) LR rule with a batch you give applies once a run reads its training text
+# this many times or more. Measured with bench.quality at 2,048 tokens per step (docs/recipe.md): on
+# a text read 4.9 times the LRs as given memorised it (val bpb 2.28 -> 2.79 from step 200 to 600,
+# nanochat 2.15) and the rule ended at 2.13-2.14 (two seeds); on one read 1.3 times the LRs as given ended 0.12 below
+# the rule; on Vim's help files (~0.3 passes) and the built-in stories, 0.2 and 0.1 below.
+REPEAT_PASSES = 2.0
+
+
+def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None) -> bool:
+    """Whether every LR is scaled by sqrt(B/2^19): always with `on`, never with `off`; with `auto`
+    at nanochat's automatic batch (-1, where the rule was made) and, with a batch you give, when
+    the run reads its training text REPEAT_PASSES times or more (`passes`; None: not known)."""
+    if mode != "auto":
+        return mode == "on"
+    return total_batch_size <= 0 or (passes is not None and passes >= REPEAT_PASSES)
+
+
+def estimated_passes(source, tokenizer, tokens: int, seq_len: int, sample: int = 256) -> float | None:
+    """How many times `tokens` of training read `source`, from up to `sample` of its documents
+    spread over it, each counted as the loader packs it (BOS + tokens, cut at a row of seq_len + 1).
+    None for a streamed corpus (parquet shards), whose size is not known without reading it all."""
+    from flaxchat.data.loader import is_streaming
+    n = len(source)
+    if is_streaming(source) or n == 0:
+        return None
+    picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
+    sizes = [min(len(ids) + 1, seq_len + 1) for ids in tokenizer.encode([source.doc(i) for i in picks])]
+    return tokens / (n * sum(sizes) / len(sizes))
 
 
 def finished_figures(entries: list[dict], steps: int, smooth: float | None, last_bpb: float | None):

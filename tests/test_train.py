@@ -341,3 +341,29 @@ def test_step_loop_trains_exactly_as_train_step_and_hands_back_its_arrays_on_syn
     for a, b in zip(jax.tree.leaves(nnx.state((m1, o1))), jax.tree.leaves(nnx.state((m2, o2)))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(loop(x, y)) == float(train_step(m1, o1, x, y))  # and it goes on from there
+
+
+def test_lr_batch_rule_follows_how_often_the_run_reads_its_text():
+    """`--lr-batch-scaling auto`: nanochat's sqrt(B/2^19) rule with the automatic batch, and with a
+    batch you give once the run reads its text REPEAT_PASSES times or more (bench.quality: on a text
+    read ~5 times the LRs as given climbed 0.64 bpb above nanochat by step 600)."""
+    from scripts.pretrain import REPEAT_PASSES, batch_scaling_applies
+    assert batch_scaling_applies("auto", -1, None) and batch_scaling_applies("auto", -1, 0.1)
+    assert batch_scaling_applies("auto", 2048, REPEAT_PASSES) and batch_scaling_applies("auto", 2048, 5.0)
+    assert not batch_scaling_applies("auto", 2048, 0.3) and not batch_scaling_applies("auto", 2048, None)
+    assert batch_scaling_applies("on", 2048, 0.0) and not batch_scaling_applies("off", -1, 9.0)
+
+
+def test_estimated_passes_counts_documents_as_the_loader_packs_them(tmp_path):
+    from flaxchat.data.sources import resolve_source
+    from flaxchat.tokenizer import Tokenizer
+    from scripts.pretrain import estimated_passes
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    docs = [" ".join(words[i % 8:] + words[:i % 8]) * (1 + i % 3) for i in range(400)]
+    (tmp_path / "t.txt").write_text("\n\n".join(docs) + "\n")
+    src = resolve_source(str(tmp_path / "t.txt"), split="train")
+    tok = Tokenizer.train(iter(docs), 300)
+    exact = sum(len(tok.encode(src.doc(i))) + 1 for i in range(len(src)))  # + BOS, no document cut at 256
+    assert estimated_passes(src, tok, 3 * exact, 256) == pytest.approx(3.0, rel=0.05)
+    cut = sum(min(len(tok.encode(src.doc(i))) + 1, 9) for i in range(len(src)))  # rows of 8 cut every document
+    assert estimated_passes(src, tok, cut, 8) == pytest.approx(1.0, rel=0.05)
