@@ -93,8 +93,11 @@ def test_bf16_compute_tracks_fp32():
         model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype)
         opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=64), Schedule(20)), wrt=nnx.Param)
         losses[dtype] = [float(train_step(model, opt, x, y)) for _ in range(5)]
-        # master weights stay fp32 whatever the compute dtype
-        assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        # master weights stay fp32 whatever the compute dtype, but for the embedding tables, which
+        # are stored in the compute dtype as nanochat keeps them
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            table = path[-1] == "embedding"
+            assert v.get_value().dtype == (dtype if table else jnp.float32), path
     # bf16 has 8 mantissa bits (~0.4% per rounding): after 5 steps the loss agrees within 2%.
     np.testing.assert_allclose(losses[jnp.bfloat16], losses[jnp.float32], rtol=2e-2)
     assert losses[jnp.bfloat16][-1] < losses[jnp.bfloat16][0] - 0.25  # and it learns
