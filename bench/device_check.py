@@ -76,28 +76,6 @@ def parse_args(argv):
     return args
 
 
-def matmul_peak(n: int, dtype) -> float:
-    """FLOP/s of a jitted n³ matmul on one device (best of 5)."""
-    import jax
-    import jax.numpy as jnp
-    a = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def program_bytes(compiled) -> int:
-    """Device bytes XLA's memory analysis gives a compiled program (arguments, temporaries and
-    outputs, less the outputs that reuse donated arguments)."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-
-
 def runtime_peak() -> int | None:
     import jax
     return (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
@@ -123,14 +101,12 @@ def auto_batch(cfg) -> int:
     """nanochat's automatic tokens per step for `cfg`, as scripts.pretrain picks it."""
     from flax import nnx
 
-    from flaxchat.config import TrainConfig, config_for_depth
-    from flaxchat.gpt import GPT, scaling_param_count
+    from flaxchat.config import TrainConfig
+    from flaxchat.gpt import GPT, reference_scaling_param_count, scaling_param_count
     from flaxchat.optim import scaling
     n = scaling_param_count(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-    ref = config_for_depth(12, vocab_size=cfg.vocab_size, sequence_len=cfg.sequence_len)
-    n_ref = scaling_param_count(nnx.eval_shape(lambda: GPT(ref, rngs=nnx.Rngs(0))))
     tc = TrainConfig()
-    return scaling(n, n_ref, tc.param_data_ratio, tc.weight_decay, -1).total_batch_size
+    return scaling(n, reference_scaling_param_count(cfg), tc.param_data_ratio, tc.weight_decay, -1).total_batch_size
 
 
 def kernels_for(kernel: str, remat: str):
@@ -159,7 +135,7 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     from flaxchat.gpt import GPT, estimate_flops
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer
     from flaxchat.train import _micro_loss
-    from bench.scale import pure_step
+    from bench.scale import memory, pure_step
 
     cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq)
     kernels = kernels_for(kernel, remat)
@@ -188,7 +164,7 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     def record(kind, compiled, compile_s, seconds, n_tokens, **extra):
         tok_s = n_tokens / seconds
         r = dict(depth=depth, kernel=kernel, remat=remat, kind=kind, rows=rows, seq=args.seq, tokens=n_tokens,
-                 tok_s=tok_s, ms=seconds * 1e3, compile_s=compile_s, program_bytes=program_bytes(compiled),
+                 tok_s=tok_s, ms=seconds * 1e3, compile_s=compile_s, program_bytes=memory(compiled)["peak_b"],
                  flops_per_token=flops, **flops_rate(flops * tok_s), **extra)
         results.append(r)
         return r
@@ -277,7 +253,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from flaxchat.common import PEAK_FLOPS_BY_KIND, enable_compilation_cache, resolve_dtype
+    from flaxchat.common import PEAK_FLOPS_BY_KIND, enable_compilation_cache, matmul_flops, resolve_dtype
 
     cache = enable_compilation_cache()
     backend = jax.default_backend()
@@ -286,7 +262,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     n = jax.device_count()
     size = 2048 if backend == "cpu" else 8192
-    measured = matmul_peak(size, jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype) * n
+    measured = matmul_flops(size, jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype) * n
     spec = next((p for name, p in PEAK_FLOPS_BY_KIND.items() if name.lower() in dev.device_kind.lower()), None)
     spec = spec * n if spec else None
 

@@ -264,6 +264,14 @@ def scaling_param_count(model: GPT) -> int:
     return total
 
 
+def reference_scaling_param_count(cfg: GPTConfig) -> int:
+    """`scaling_param_count` of nanochat's reference, d12 with `cfg`'s vocabulary and context: the
+    model its LRs and batch were tuned at, against which `optim.scaling` scales them."""
+    from flaxchat.config import config_for_depth
+    ref = config_for_depth(12, vocab_size=cfg.vocab_size, sequence_len=cfg.sequence_len)
+    return scaling_param_count(nnx.eval_shape(lambda: GPT(ref, rngs=nnx.Rngs(0))))
+
+
 def mean_keys_seen(window: int, T: int) -> float:
     """Keys a query attends to, averaged over the T positions of a causal sequence with a window:
     query t sees min(t + 1, window) keys (causal halves full attention; a window caps it)."""

@@ -109,7 +109,8 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.data.loader import LoaderGroup, PackingLoader, reshard_states
     from flaxchat.data.prefetch import Prefetcher
     from flaxchat.data.sources import resolve_source
-    from flaxchat.gpt import GPT, estimate_flops, matmul_param_count, param_count, scaling_param_count
+    from flaxchat.gpt import (GPT, estimate_flops, matmul_param_count, param_count, reference_scaling_param_count,
+                              scaling_param_count)
     from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
@@ -174,9 +175,7 @@ def _run(tc: TrainConfig) -> dict:
     abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype,
                                           kernels=compute.kernels))
     n_params, n_matmul, n_scaling = param_count(abstract), matmul_param_count(abstract), scaling_param_count(abstract)
-    # nanochat's reference: d12 with this vocabulary and context, where the LRs were tuned.
-    ref_cfg = config_for_depth(12, vocab_size=model_cfg.vocab_size, sequence_len=tc.sequence_len)
-    n_scaling_ref = scaling_param_count(nnx.eval_shape(lambda: GPT(ref_cfg, rngs=nnx.Rngs(0))))
+    n_scaling_ref = reference_scaling_param_count(model_cfg)  # d12 at this vocabulary and context
     flops_per_token = estimate_flops(abstract)
     print0(f"model: depth {model_cfg.n_layer}, width {model_cfg.n_embd}, {model_cfg.n_head} heads of "
            f"{model_cfg.head_dim}, windows {model_cfg.window_sizes()}, {n_params:,} parameters "
