@@ -215,6 +215,48 @@ def test_a_full_disk_abandons_the_save_with_one_sentence_and_the_last_good_step_
     reader.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_failed_saves_other_writes_land_before_its_folder_is_removed(tmp_path, monkeypatch):
+    """Orbax raises the first item's write that failed while the other items' writes go on; one that
+    lands after the removal brings the half step back (seen in CI: `300.orbax-checkpoint-tmp` left
+    after a full disk). Here the first write fails at once and another lands 0.5 s later, into the
+    step's temporary folder as the optimizer's did: the folder must be gone after both."""
+    import concurrent.futures
+    import errno
+    import threading
+    import time
+    c = ck.Checkpointer(str(tmp_path / "c"), max_to_keep=2)
+    net, opt = _pair()
+    c.save(1, net, opt, {})
+    c.wait()
+    manager = c._mgr._checkpointer._async_manager
+    real_commit, landed = manager.start_async_commit, threading.Event()
+
+    def one_fails_one_lands_late(directory, commit_futures, on_commit_callback):
+        failed = concurrent.futures.Future()
+        failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        late = concurrent.futures.Future()
+
+        def write_late():  # where TensorStore wrote the optimizer's late part in CI
+            time.sleep(0.5)
+            d = tmp_path / "c" / "2.orbax-checkpoint-tmp" / "optimizer.orbax-checkpoint-tmp" / "ocdbt.process_0" / "d"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "late").write_bytes(b"x" * 4096)
+            landed.set()
+            late.set_result(None)
+        threading.Thread(target=write_late, daemon=True).start()
+        return real_commit(directory, [failed, *commit_futures, late], on_commit_callback)
+
+    monkeypatch.setattr(manager, "start_async_commit", one_fails_one_lands_late)
+    c.save(2, net, opt, {})
+    with pytest.raises(UserError, match=r"saving checkpoint step 2 .* no space left on the device"):
+        c.wait()
+    assert landed.wait(10)
+    assert sorted(os.listdir(tmp_path / "c")) == ["1"]  # no half step 2, not even a late part of it
+    monkeypatch.undo()
+    c.close()
+
+
 def test_a_write_that_fails_in_the_background_stops_the_next_step(tmp_path, monkeypatch):
     """The stand-in where no tmpfs can be mounted: the write in flight fails as TensorStore reports
     a full disk, and `raise_if_failed` (called every step) raises it as one sentence."""
