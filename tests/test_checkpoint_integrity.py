@@ -237,7 +237,7 @@ def test_a_failed_saves_other_writes_land_before_its_folder_is_removed(tmp_path,
         failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
         late = concurrent.futures.Future()
 
-        def write_late():  # where TensorStore wrote the optimizer's late part in CI
+        def write_late():  # where the optimizer's late write landed when this was reproduced on a tmpfs
             time.sleep(0.5)
             d = tmp_path / "c" / "2.orbax-checkpoint-tmp" / "optimizer.orbax-checkpoint-tmp" / "ocdbt.process_0" / "d"
             d.mkdir(parents=True, exist_ok=True)
