@@ -7,14 +7,29 @@ on stderr and a non-zero exit, never a traceback. Bugs still raise normally.
 
 from __future__ import annotations
 
+import enum
 import sys
 from typing import Callable, Sequence
+
+
+class ExitCode(enum.IntEnum):
+    """Why a stage's process ended: what launchers and managed jobs recover by (docs/deployment.md).
+
+    A preempted run resumes without counting as a failure; a user error is not retried; a hang had
+    its stacks written into the run folder first."""
+
+    FINISHED = 0
+    CRASHED = 1  # an uncaught exception: Python's own exit code
+    USER_ERROR = 2  # one sentence on stderr; running it again fails the same way
+    PREEMPTED = 75  # sysexits' EX_TEMPFAIL: the step was saved on the notice; run it again
+    HUNG = 124  # as timeout(1) exits: a step or the distributed start stalled past its deadline
+    STOPPED = 130  # 128 + SIGINT: the user stopped it (Ctrl-C)
 
 
 class UserError(Exception):
     """A problem the user can fix; its message is one clear sentence."""
 
-    exit_code = 2
+    exit_code = ExitCode.USER_ERROR
 
 
 def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> int:
@@ -26,5 +41,5 @@ def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.STOPPED
     return int(result) if isinstance(result, int) else 0
