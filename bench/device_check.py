@@ -52,6 +52,8 @@ def parse_args(argv):
                    help="which rows: fwd+bwd, step, accum (the step at --total-batch) (default: %(default)s)")
     p.add_argument("--profile", default="", metavar="DIR", help="trace the step into DIR and print its top operations")
     p.add_argument("--json", default="", metavar="PATH", help="write the rows to PATH as JSON")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), as pretraining's --dtype")
     p.add_argument("--quick", action="store_true", help="d2, sequence 128, 2 rows, vocab 512, 2 steps: a smoke run")
     args = p.parse_args(argv)
     if args.quick:
@@ -133,17 +135,17 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     from flaxchat.common import resolve_dtype
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT, estimate_flops
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.optim import OptimConfig, Schedule, make_optimizer
     from flaxchat.train import _micro_loss
     from bench.scale import memory, pure_step
 
     cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq)
     kernels = kernels_for(kernel, remat)
-    dtype = resolve_dtype("auto")
+    dtype = resolve_dtype(args.dtype)
     mesh = sharding.make_mesh(jax.devices(), "dp")
-    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, ns_dtype=kernels.ns_dtype), Schedule(1000), kernels)
+    opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=kernels.ns_dtype)
     model, opt = sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels),
-                                         lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), mesh)
+                                         lambda m: make_optimizer(m, opt_cfg, Schedule(1000), kernels), mesh)
     flops = estimate_flops(model)
     graphdef, state = nnx.split((model, opt))
     model_def, params, rest = nnx.split(model, nnx.Param, ...)
@@ -258,7 +260,7 @@ def main(argv=None) -> int:
     cache = enable_compilation_cache()
     backend = jax.default_backend()
     kernels = [k for k in args.kernels.split(",") if k] or list(KERNELS.get(backend, ("blockwise",)))
-    dtype = resolve_dtype("auto")
+    dtype = resolve_dtype(args.dtype)
     dev = jax.devices()[0]
     n = jax.device_count()
     size = 2048 if backend == "cpu" else 8192
@@ -316,7 +318,10 @@ def main(argv=None) -> int:
         from flaxchat.report import write_json
         write_json(args.json, dict(device=dev.device_kind, devices=n, jax=jax.__version__, spec_flops=spec,
                                    measured_flops=measured, rows=rows))
-    return 0
+    failed = [r for r in rows if "failed" in r]
+    if failed:
+        print(f"{len(failed)} configuration(s) failed (the rows above say why)")
+    return 1 if failed and len(failed) == len(rows) else 0  # nothing measured is not a success
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     from flaxchat.config import GPTConfig
     from flaxchat.gpt import GPT, param_count
     from flaxchat.loading import read_run, resolve
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.optim import OptimConfig, Schedule, make_optimizer
     from flaxchat.progress import Progress
     from flaxchat.stage import open_checkpoints
 
@@ -193,7 +193,7 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     jax.set_mesh(compute.mesh)
     model, optimizer = shard.create_sharded(
         lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels),
-        lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule, compute.kernels), wrt=nnx.Param), compute.mesh)
+        lambda m: make_optimizer(m, opt_cfg, schedule, compute.kernels), compute.mesh)
     step = 0
     if meta is not None:
         step = checkpointer.restore(model, optimizer, resume)["step"]

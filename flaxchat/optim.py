@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from flaxchat.config import LR
 
@@ -60,30 +61,56 @@ class Schedule:
     def warmdown_steps(self) -> int:
         return round(self.warmdown_ratio * max(self.total_steps, 1))
 
-    def lr_multiplier(self, step):
-        step = jnp.asarray(step, jnp.float32)
-        total = float(max(self.total_steps, 1))
-        warmup, warmdown = self.warmup_steps, self.warmdown_steps
-        up = (step + 1) / max(warmup, 1)
-        progress = (total - step) / max(warmdown, 1)
-        down = progress + (1 - progress) * self.final_lr_frac
-        return jnp.where(step < warmup, up, jnp.where(step <= total - warmdown, 1.0, down))
+    def horizon(self) -> jax.Array:
+        """(total steps, warmdown steps) as the compiled step reads them (`Horizon`)."""
+        return jnp.asarray([max(self.total_steps, 1), self.warmdown_steps], jnp.int32)
 
-    def muon_momentum(self, step):
+    def _totals(self, horizon):
+        """(total, warmdown): this schedule's constants, or the run-time `horizon` array."""
+        if horizon is None:
+            return float(max(self.total_steps, 1)), self.warmdown_steps
+        horizon = horizon.astype(jnp.float32)
+        return horizon[0], horizon[1]
+
+    def lr_multiplier(self, step, horizon=None):
+        step = jnp.asarray(step, jnp.float32)
+        total, warmdown = self._totals(horizon)
+        up = (step + 1) / max(self.warmup_steps, 1)
+        progress = (total - step) / jnp.maximum(warmdown, 1)
+        down = progress + (1 - progress) * self.final_lr_frac
+        return jnp.where(step < self.warmup_steps, up, jnp.where(step <= total - warmdown, 1.0, down))
+
+    def muon_momentum(self, step, horizon=None):
         step = jnp.asarray(step, jnp.float32)
         if self.momentum == "finetune":
             frac = jnp.minimum(step / 300.0, 1.0)
             return (1 - frac) * 0.85 + frac * 0.95
-        start = float(max(self.total_steps, 1) - self.warmdown_steps)
+        total, warmdown = self._totals(horizon)
+        start = total - warmdown
         frac = step / 400.0
-        progress = (step - start) / max(self.warmdown_steps, 1)
+        progress = (step - start) / jnp.maximum(warmdown, 1)
         return jnp.where(step < 400, (1 - frac) * 0.85 + frac * 0.97,
                          jnp.where(step >= start, 0.97 * (1 - progress) + 0.90 * progress, 0.97))
 
-    def weight_decay_multiplier(self, step):
+    def weight_decay_multiplier(self, step, horizon=None):
         if self.weight_decay == "constant":
             return jnp.ones([], jnp.float32)
-        return 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(step, jnp.float32) / max(self.total_steps, 1)))
+        total, _ = self._totals(horizon)
+        return 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(step, jnp.float32) / total))
+
+
+class Horizon(nnx.Variable):
+    """The schedule's (total steps, warmdown steps) on the optimizer (`make_optimizer`): an input of
+    the compiled step rather than a constant in it, so a rerun or an extension with another
+    `--steps` loads the step from the compile cache. Set from the run's flags, never checkpointed
+    (the checkpoint holds `OptState` only), so old checkpoints load unchanged."""
+
+
+def make_optimizer(model, cfg: "OptimConfig", schedule: Schedule, kernels=None) -> nnx.Optimizer:
+    """`build_optimizer` over `model`'s parameters, reading the schedule's horizon at run time."""
+    optimizer = nnx.Optimizer(model, build_optimizer(cfg, schedule, kernels), wrt=nnx.Param)
+    optimizer.horizon = Horizon(schedule.horizon())
+    return optimizer
 
 
 def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
@@ -170,11 +197,11 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
     def second_moment(v, v_mean):  # NorMuon's running average, as `_renormalise_normuon` takes it
         return v + (1 - beta2) * (v_mean - v)
 
-    def update(grads, state, params):
+    def update(grads, state, params, horizon=None, **extra):
         step = state.count
-        mom = schedule.muon_momentum(step)
-        lr = learning_rate * schedule.lr_multiplier(step)
-        wd = weight_decay * schedule.weight_decay_multiplier(step)
+        mom = schedule.muon_momentum(step, horizon)
+        lr = learning_rate * schedule.lr_multiplier(step, horizon)
+        wd = weight_decay * schedule.weight_decay_multiplier(step, horizon)
 
         def nesterov(g, m):
             m = m + (1 - mom) * (g - m)  # momentum buffer: lerp towards g
@@ -205,7 +232,7 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
         updates, momentum, second = (treedef.unflatten(list(t)) for t in (updates, momentum, second))
         return updates, MuonState(step + 1, momentum, second)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _role(path) -> str:
@@ -387,9 +414,9 @@ def build_optimizer(cfg: OptimConfig, schedule: Schedule, kernels=None) -> optax
     width = (cfg.n_embd / 768) ** -0.5  # AdamW LRs tuned at d_model 768 (nanochat)
     scale = cfg.batch_lr_scale * cfg.lr_frac
 
-    def adamw(lr, b1, b2, wd):
-        return optax.adamw(learning_rate=lambda c: lr * schedule.lr_multiplier(c), b1=b1, b2=b2,
-                           eps=1e-10, weight_decay=wd)
+    def adamw(lr, b1, b2, wd):  # optax.adamw's chain, its LR read through `horizon`
+        return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=1e-10), optax.add_decayed_weights(wd),
+                           scale_by_schedule(lr, schedule))
 
     b1, b2 = cfg.adam_beta1, cfg.adam_beta2
     groups: dict[str, optax.GradientTransformation] = {
@@ -408,6 +435,21 @@ def build_optimizer(cfg: OptimConfig, schedule: Schedule, kernels=None) -> optax
         # Plain AdamW fallback for the block matrices: a tenth of Muon's LR, standard betas.
         groups["matrix"] = adamw(cfg.matrix_lr * 0.1 * scale, 0.9, 0.95, 0.0)
     return optax.multi_transform(groups, labels_for)
+
+
+def scale_by_schedule(lr: float, schedule: Schedule) -> optax.GradientTransformationExtraArgs:
+    """optax.scale_by_learning_rate(lambda c: lr * schedule.lr_multiplier(c)) (the same state and
+    arithmetic) with the update's `horizon` argument passed to the schedule."""
+
+    def init(params):
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, horizon=None, **extra):
+        step_size = -1 * (lr * schedule.lr_multiplier(state.count, horizon))
+        updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 # --- nanochat's scaling rules (base_train.py): batch size, LR and weight decay from the horizon ---

@@ -105,8 +105,11 @@ def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, norm
         sums = partial(_gradient_sums, graphdef, model.kernels)
     grads, loss_sum, count = sums(params, rest, batches)
     denom = jnp.maximum(count, 1).astype(jnp.float32) if normalise else jnp.ones([], jnp.float32)
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    optimizer.update(model, grads)
+    # Back in each parameter's dtype: a bf16 table's gradient over an fp32 count would be fp32, and
+    # AdamW's first moment with it, so the step's outputs would no longer match its inputs.
+    grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+    horizon = getattr(optimizer, "horizon", None)  # optim.with_horizon: the schedule's, at run time
+    optimizer.update(model, grads, **({} if horizon is None else {"horizon": horizon[...]}))
     return loss_sum / denom
 
 
@@ -144,7 +147,9 @@ class StepLoop:
         def step(arrays, inputs, targets):
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(self.treedef, arrays))
             loss = _accumulated_step(model, optimizer, (inputs, targets))
-            return jax.tree.leaves(nnx.state((model, optimizer))), loss
+            out = jax.tree.leaves(nnx.state((model, optimizer)))
+            check_same_types(arrays, out, self.treedef)
+            return out, loss
 
         self._step = jax.jit(step, donate_argnums=0)
 
@@ -163,6 +168,21 @@ class StepLoop:
         if not self.synced:
             nnx.update(self.objects, jax.tree.unflatten(self.treedef, self.arrays))
             self.synced = True
+
+
+def check_same_types(before: list, after: list, treedef) -> None:
+    """Raise, while the step is traced, where a state array leaves the step with another dtype,
+    shape or weak type than it came in with: the next call would compile the whole step again
+    (a bf16 AdamW moment that turned fp32 once cost a second compile of ~55 s at d12 on a TPU v5e)."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(treedef, before))[0]]
+    changed = [f"{path}: {a.dtype}{list(a.shape)}{' weak' if a.weak_type else ''} -> "
+               f"{b.dtype}{list(b.shape)}{' weak' if b.weak_type else ''}"
+               for path, a, b in zip(paths, map(jax.typeof, before), map(jax.typeof, after))
+               if (a.dtype, a.shape, a.weak_type) != (b.dtype, b.shape, b.weak_type)]
+    if changed:
+        raise TypeError(f"the train step changes the type of {len(changed)} state array(s), so every start "
+                        f"would compile it twice: {'; '.join(changed[:4])}")
 
 
 @nnx.jit(donate_argnames=("model", "optimizer"))

@@ -111,7 +111,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.data.sources import resolve_source
     from flaxchat.gpt import (GPT, estimate_flops, matmul_param_count, param_count, reference_scaling_param_count,
                               scaling_param_count)
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer, scaling
+    from flaxchat.optim import OptimConfig, Schedule, make_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
     from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
@@ -223,7 +223,7 @@ def _run(tc: TrainConfig) -> dict:
     # Always place the state, even on one device: arrays left uncommitted would come back from the
     # first step committed to the mesh, and the changed input types would compile the step twice.
     model, optimizer = sharding.create_sharded(
-        make_model, lambda m: nnx.Optimizer(m, build_optimizer(opt_cfg, schedule, compute.kernels), wrt=nnx.Param), compute.mesh)
+        make_model, lambda m: make_optimizer(m, opt_cfg, schedule, compute.kernels), compute.mesh)
     per_device = sharding.bytes_per_device(nnx.state(model, nnx.Param))
     print0(f"sharding: {layout} over {compute.device_count} device(s); parameters per device "
            f"{max(per_device.values()) / 2**20:.1f} MiB of {4 * n_params / 2**20:.1f} MiB")

@@ -78,7 +78,8 @@ print("RESULT " + json.dumps({"blocks": len(blocks), **{str(n): counts(n) for n 
 
 
 def _counts(what):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               JAX_PLATFORMS="cpu")  # keeps a TPU VM's own site folder
     r = subprocess.run([sys.executable, "-c", _COUNT, what], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]

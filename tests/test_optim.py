@@ -185,7 +185,9 @@ def test_batched_muon_equals_the_per_matrix_muon(dtype):
     updates = {b: jax.jit(tx.update) for b, tx in txs.items()}
     # On an O(1) update: fp32 and bf16 agreed to 8e-7 and 4e-7 here; bf16-operands, whose batched
     # products accumulate in another order before their fp32 results are rounded to bf16, to 5e-3.
-    tol = 1e-5 if dtype == "float32" else 1e-2
+    # A TPU's batched bf16 products round at other points than its single ones: 16 of 1024 elements
+    # differed by up to 0.018 on a v5e, one bf16 step (2^-6) at |x| of 1-2.
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}.get(dtype, 1e-2)
     for step in range(3):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
         out = {b: updates[b](grads, states[b], params) for b in (False, True)}
