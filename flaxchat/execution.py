@@ -194,9 +194,8 @@ def isolation() -> Isolation:
 def sandbox_command(argv: list[str], mode: str, disk_mb: int = 16, inodes: int = 1024) -> list[str]:
     """The command that runs `argv` (argv[0] an interpreter inside the Python install) in the OS
     sandbox of `flaxchat.isolation`; pure, so tests can run a bare interpreter under it too."""
-    cfg = dict(mode=mode, parent=os.getpid(), argv=argv, disk_mb=disk_mb, inodes=inodes,
-               binds=isolation_launcher.bind_sources(sys.base_prefix))
-    return [_EXE, "-I", "-S", isolation_launcher.__file__, json.dumps(cfg)]
+    return isolation_launcher.command(_EXE, argv, mode, os.getpid(), disk_mb, inodes,
+                                      isolation_launcher.bind_sources(sys.base_prefix))
 
 
 def _runner_config(mode, memory_mb, file_mb, max_files, timeout=5.0) -> dict:

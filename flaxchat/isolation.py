@@ -1,8 +1,9 @@
 """Operating-system isolation for the code tool: namespaces, a private root, a fresh uid.
 
-`python -I -S isolation.py CONFIG` is the launcher that `flaxchat.execution` starts instead of the
-bare interpreter. It uses nothing but the standard library (it runs without site-packages) and does,
-in order:
+`python -I -S isolation.py MODE PARENT DISK_MB INODES BINDS -- ARGV...` (BINDS joined by ':' as in
+PATH; see `command`) is the launcher that `flaxchat.execution` starts instead of the bare
+interpreter. It uses nothing but the standard library (it runs without site-packages), imports
+little (json and platform alone would add 20 ms to every call) and does, in order:
 1. dies with its parent (PR_SET_PDEATHSIG), then `unshare(2)` of the mount, pid, network, IPC and
    UTS namespaces, plus a user namespace when it is not root ("user" mode; as root, "root" mode);
 2. forks the sandbox's pid 1, which also dies with the launcher; when pid 1 ends the kernel kills
@@ -17,16 +18,14 @@ in order:
    resource limits and the Python-level guards).
 A failure before the exec prints one line starting with SETUP_FAILED and exits with SETUP_EXIT.
 
-`probe()` (in the caller) runs a real call once per process to learn which mode the kernel allows.
+`flaxchat.execution.isolation()` runs a real call once per process to learn which mode the kernel
+allows; docs/inference.md states what this protects against and what it does not.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import platform
-import signal
 import sys
 
 SETUP_EXIT = 125
@@ -62,7 +61,7 @@ def _mount(src, dst, fstype, flags, data=None):
 
 def die_with_parent(parent_alive) -> None:
     """SIGKILL this process when the thread that started it ends; also if that already happened."""
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    _check(_libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PDEATHSIG, SIGKILL)")
     if not parent_alive():
         os._exit(SETUP_EXIT)
 
@@ -75,6 +74,14 @@ def _open_pipe(fd: int) -> bool:
         return os.read(fd, 1) != b""
     except BlockingIOError:
         return True
+
+
+def command(exe: str, argv: list[str], mode: str, parent: int, disk_mb: int, inodes: int,
+            binds: list[str]) -> list[str]:
+    """The launcher's command line (pure): `argv` run in the sandbox, `mode` "root" or "user",
+    `parent` the pid it must die with, `disk_mb`/`inodes` the cap of each of /sandbox and /tmp."""
+    return [exe, "-I", "-S", __file__, mode, str(parent), str(disk_mb), str(inodes), ":".join(binds), "--",
+            *argv]
 
 
 def bind_sources(prefix: str) -> list[str]:
@@ -121,8 +128,9 @@ def build_root(cfg: dict, uid: int) -> None:
     root = "/tmp"  # any existing folder will do as a mount point: this mount namespace is ours alone
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
-    for src in cfg["binds"]:
-        if not any(src != b and src.startswith(b + "/") for b in cfg["binds"]):
+    binds = cfg["binds"].split(":")
+    for src in binds:
+        if not any(src != b and src.startswith(b + "/") for b in binds):
             _bind(src, root)
     for dev in DEVICES:
         if os.path.exists(dev):
@@ -132,7 +140,7 @@ def build_root(cfg: dict, uid: int) -> None:
         os.makedirs(root + path, exist_ok=True)
         _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"{scratch},mode={mode}")
     os.chdir(root)
-    arch = platform.machine()
+    arch = os.uname().machine
     if arch not in SYS_PIVOT_ROOT:
         raise OSError(f"pivot_root: unknown syscall number on {arch}")
     _check(_libc.syscall(SYS_PIVOT_ROOT[arch], b".", b"."), "pivot_root")
@@ -157,7 +165,9 @@ def _child(cfg: dict, launcher: int, alive: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    cfg = json.loads(argv[1])
+    mode, parent, disk_mb, inodes, binds, dashes, *rest = argv[1:]
+    assert dashes == "--" and rest, "usage: isolation.py MODE PARENT DISK_MB INODES BINDS -- ARGV..."
+    cfg = dict(mode=mode, parent=int(parent), disk_mb=int(disk_mb), inodes=int(inodes), binds=binds, argv=rest)
     try:
         import resource
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a signal that dumps core leaves no file
@@ -187,6 +197,7 @@ def main(argv: list[str]) -> None:
         os._exit(SETUP_EXIT)
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):  # pass a signal on as itself: the caller tells SIGXCPU from SIGKILL
+        import signal
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
