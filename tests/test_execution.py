@@ -67,6 +67,7 @@ def host_folder(tmp_path):
 # --- it works ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(30)
 def test_ordinary_code_runs_prints_and_shows_the_last_value():
     r = run("import math\nx = [i * i for i in range(5)]\nprint(sum(x))\nmath.factorial(10)")
     assert r.ok and r.stdout.split() == ["30", "3628800"]
@@ -74,6 +75,7 @@ def test_ordinary_code_runs_prints_and_shows_the_last_value():
     assert r.ok and r.stdout.strip() == "hi"  # the working folder is writable
 
 
+@pytest.mark.timeout(30)
 def test_errors_are_reported_not_raised():
     r = run("1/0")
     assert r.status == "error" and r.summary() == "ZeroDivisionError: division by zero"
@@ -327,10 +329,11 @@ def test_no_host_file_can_be_read(how, host_secret):
         r = run(undo_guards(how.format(p=path)))
         assert r.status == "error" and "No such file" in r.summary(), (path, r.summary())
         assert "root:" not in r.stdout and "host-secret" not in r.stdout
-    r = run(undo_guards("print(sorted(posix.listdir('/')), posix.listdir('/etc'), sorted(posix.listdir('/dev')))"))
-    top, etc, dev = r.stdout.strip().split("] [")
-    assert r.ok and not {"'home'", "'proc'", "'sys'", "'var'", "'work'"} & set(top.split(", ")), top
-    assert etc == "'ld.so.cache'" and dev.strip("[]") == "'null', 'random', 'urandom', 'zero'", r.stdout
+    r = run(undo_guards("print(sorted(posix.listdir('/')))\nprint(sorted(posix.listdir('/dev')))\n"
+                        "print(posix.listdir('/etc') if 'etc' in posix.listdir('/') else [])"))
+    top, dev, etc = r.stdout.strip().splitlines()
+    assert r.ok and not {"'home'", "'proc'", "'sys'", "'var'", "'work'"} & set(top.strip("[]").split(", ")), top
+    assert dev == "['null', 'random', 'urandom', 'zero']" and etc in ("['ld.so.cache']", "[]"), r.stdout
 
 
 @needs_namespaces
@@ -564,6 +567,7 @@ def test_without_namespaces_best_effort_runs_behind_the_older_layers_and_says_so
     assert len(notes) == 1, p.stderr
 
 
+@pytest.mark.timeout(30)
 def test_the_sandbox_choice_is_checked():
     with pytest.raises(ValueError, match="not one of strict, best-effort, off"):
         execute_code("print(1)", sandbox="on")
