@@ -14,8 +14,9 @@ little (json and platform alone would add 20 ms to every call) and does, in orde
    /home or /dev/shm; the host's root is detached (pivot_root), so nothing on the host is written;
 4. as root it switches to a uid of its own per call (SANDBOX_UID_BASE + launcher pid: no two live
    calls share one); in user mode the exec drops every capability (its uid inside is not 0);
-5. execs `python -I -S -c RUNNER` with no_new_privs set (flaxchat.execution's runner then sets the
-   resource limits and the Python-level guards).
+5. sets no_new_privs and a seccomp filter (`deny_syscalls`: no namespaces of its own, no mount,
+   ptrace, bpf, perf_event_open, userfaultfd, keyrings), then execs `python -I -S -c RUNNER`
+   (flaxchat.execution's runner then sets the resource limits and the Python-level guards).
 A failure before the exec prints one line starting with SETUP_FAILED and exits with SETUP_EXIT.
 
 `flaxchat.execution.isolation()` runs a real call once per process to learn which mode the kernel
@@ -41,7 +42,20 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+# (AUDIT_ARCH, syscall numbers) for the seccomp filter; pivot_root's number is used to call it too.
+SYSCALLS = {
+    "x86_64": (0xC000003E, dict(unshare=272, setns=308, mount=165, umount2=166, pivot_root=155, clone=56,
+                                clone3=435, ptrace=101, bpf=321, perf_event_open=298, userfaultfd=323,
+                                keyctl=250, add_key=248, request_key=249, open_by_handle_at=304)),
+    "aarch64": (0xC00000B7, dict(unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, clone=220,
+                                 clone3=435, ptrace=117, bpf=280, perf_event_open=241, userfaultfd=282,
+                                 keyctl=219, add_key=217, request_key=218, open_by_handle_at=265)),
+}
+# Refused inside the sandbox: namespaces of its own (a nested user namespace would give it
+# capabilities again) and the kernel interfaces most often behind local privilege escalations.
+SANDBOX_DENY = ("unshare", "setns", "mount", "umount2", "pivot_root", "ptrace", "bpf", "perf_event_open",
+                "userfaultfd", "keyctl", "add_key", "request_key", "open_by_handle_at")
+CLONE_NEW_ANY = 0x7E020000  # every CLONE_NEW* flag (cgroup, uts, ipc, user, pid, net, ns)
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 SYSTEM_LIBS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib")
 
@@ -57,6 +71,32 @@ def _check(ret, what):
 def _mount(src, dst, fstype, flags, data=None):
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     _check(_libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
+
+
+def deny_syscalls(names=SANDBOX_DENY) -> None:
+    """Install a seccomp filter on this process and all it starts: `names` fail with EPERM, clone with
+    any CLONE_NEW* flag too, clone3 with ENOSYS (its flags sit in memory a filter cannot read; glibc
+    then falls back to clone), and so does any syscall of another ABI (x32, i386 on x86_64) that could
+    slip past the numbers. Needs no privilege (no_new_privs is set first)."""
+    import struct
+    arch = os.uname().machine
+    if arch not in SYSCALLS:
+        raise OSError(f"seccomp: no syscall table for {arch}")
+    audit, nr = SYSCALLS[arch]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x50000 | 1, 0x50000 | 38
+    deny = [nr[n] for n in names]
+    # Classic BPF over seccomp_data (nr at offset 0, arch at 4, args[0]'s low half at 16);
+    # jt/jf count the instructions to skip. The last three are ALLOW, EPERM, ENOSYS.
+    n = len(deny)
+    prog = [(ld, 0, 0, 4), (jeq, 0, n + 7, audit), (ld, 0, 0, 0), (jge, n + 6, 0, 0x40000000)]
+    prog += [(jeq, n - i + 4, 0, x) for i, x in enumerate(deny)]
+    prog += [(jeq, 5, 0, nr["clone3"]), (jeq, 0, 2, nr["clone"]), (ld, 0, 0, 16), (jset, 1, 0, CLONE_NEW_ANY),
+             (ret, 0, 0, allow), (ret, 0, 0, eperm), (ret, 0, 0, enosys)]
+    buf = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
+    fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _check(_libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0), "prctl(SECCOMP_MODE_FILTER)")
 
 
 def die_with_parent(parent_alive) -> None:
@@ -141,9 +181,9 @@ def build_root(cfg: dict, uid: int) -> None:
         _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"{scratch},mode={mode}")
     os.chdir(root)
     arch = os.uname().machine
-    if arch not in SYS_PIVOT_ROOT:
+    if arch not in SYSCALLS:
         raise OSError(f"pivot_root: unknown syscall number on {arch}")
-    _check(_libc.syscall(SYS_PIVOT_ROOT[arch], b".", b"."), "pivot_root")
+    _check(_libc.syscall(SYSCALLS[arch][1]["pivot_root"], b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "umount old root")  # the host's root, stacked under ours
     os.chdir("/")
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -159,7 +199,7 @@ def _child(cfg: dict, launcher: int, alive: int) -> None:
         os.setresuid(uid, uid, uid)  # from root to a non-zero uid: every capability goes
     die_with_parent(lambda: _open_pipe(alive))  # after the uid change, which would clear it
     os.close(alive)
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    deny_syscalls()
     exe = cfg["argv"][0]
     os.execve(exe, cfg["argv"], {"LC_ALL": "C.UTF-8", "HOME": WORKDIR, "TMPDIR": "/tmp"})
 
