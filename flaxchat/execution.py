@@ -187,7 +187,8 @@ def isolation() -> Isolation:
         if r.ok and r.stdout.strip() == "1":
             return Isolation(mode)
         lines = (r.stderr or r.stdout).strip().splitlines()
-        tried.append(f"{mode} mode: {lines[-1].replace(isolation_launcher.SETUP_FAILED, '').strip() if lines else r.status}")
+        why = lines[-1].replace(isolation_launcher.SETUP_FAILED, "").strip() if lines else r.status
+        tried.append(f"{mode} mode: {why}")
     return Isolation(None, "; ".join(tried))
 
 
@@ -226,10 +227,10 @@ def _say_once(text: str) -> None:
 
 def execute_code(code: str, *, timeout: float = 5.0, memory_mb: int = 256, max_output: int = 65536,
                  file_mb: int = 16, max_files: int = 64, sandbox: str = "best-effort") -> ExecutionResult:
-    """Run `code` in the sandbox; never raises for anything the code does. `sandbox` (SANDBOX_HELP):
-    without namespaces, "strict" and "off" answer status "off" without starting a process, and the
-    process says once on stderr what it lacks. `file_mb` caps each file; twice it caps each of the private
-    working folder and /tmp."""
+    """Run `code` in the sandbox; never raises for anything the code does (a `sandbox` not in
+    SANDBOX_CHOICES is the caller's mistake: ValueError). "off", and "strict" without namespaces,
+    answer status "off" without starting a process; without namespaces the process says once on
+    stderr what it lacks. `file_mb` caps each file, and twice that each of /sandbox and /tmp."""
     if sandbox not in SANDBOX_CHOICES:
         raise ValueError(f"sandbox={sandbox!r} is not one of {', '.join(SANDBOX_CHOICES)}")
     if sandbox == "off":
