@@ -165,10 +165,15 @@ def _bind(src: str, root: str, readonly: bool = True) -> None:
 
 def build_root(cfg: dict, uid: int) -> None:
     """Make the private root and enter it: after this the host's files are out of reach."""
-    root = "/tmp"  # any existing folder will do as a mount point: this mount namespace is ours alone
+    binds = cfg["binds"].split(":")
+    # Any existing folder will do as the new root's mount point (this mount namespace is ours alone),
+    # as long as nothing to be bound lies under it (a Python install in /tmp).
+    root = next((p for p in ("/tmp", "/mnt", "/var/tmp", "/opt") if os.path.isdir(p) and not any(
+        b == p or b.startswith(p + "/") for b in binds)), None)
+    if root is None:
+        raise OSError("no folder to build the sandbox's root on (/tmp, /mnt, /var/tmp, /opt)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
-    binds = cfg["binds"].split(":")
     for src in binds:
         if not any(src != b and src.startswith(b + "/") for b in binds):
             _bind(src, root)
