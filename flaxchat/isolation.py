@@ -165,6 +165,7 @@ def _bind(src: str, root: str, readonly: bool = True) -> None:
 
 def build_root(cfg: dict, uid: int) -> None:
     """Make the private root and enter it: after this the host's files are out of reach."""
+    os.umask(0o022)  # the skeleton's folders must be passable for the sandbox's uid, whatever ours was
     binds = cfg["binds"].split(":")
     # Any existing folder will do as the new root's mount point (this mount namespace is ours alone),
     # as long as nothing to be bound lies under it (a Python install in /tmp).

@@ -574,3 +574,15 @@ def test_the_sandbox_choice_is_checked():
         execute_code("print(1)", sandbox="on")
     r = execute_code("print(1)", sandbox="off")
     assert r.status == "off" and "off" in r.summary()
+
+
+@needs_namespaces
+@pytest.mark.timeout(60)
+def test_a_caller_with_umask_077_gets_the_same_sandbox():
+    # The new root's folders are made by the launcher: with the caller's 077 they would be closed to
+    # the sandbox's uid, and as root the probe fell back to user mode.
+    code = ("import os\nos.umask(0o077)\nfrom flaxchat.execution import execute_code, isolation\n"
+            "print(isolation().mode, execute_code('print(6 * 7)').stdout.strip())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert p.stdout.split() == [isolation().mode, "42"], p.stdout + p.stderr
