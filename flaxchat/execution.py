@@ -239,7 +239,8 @@ def execute_code(code: str, *, timeout: float = 5.0, memory_mb: int = 256, max_o
     if iso.mode is None:
         if sandbox == "strict":
             _say_once(f"the code tool is off: this machine gives no namespaces to contain it ({iso.reason}); "
-                      "only the calculator runs (sandbox best-effort would run code without them)")
+                      "only the calculator runs (--sandbox=best-effort, or sandbox='best-effort', runs code without "
+                      "them, behind rlimits and Python guards only)")
             return ExecutionResult("off", "", "Error: the code tool is off on this machine (no namespaces)",
                                    None, 0.0)
         _say_once(f"the code tool runs without namespaces ({iso.reason}): behind rlimits and Python "
