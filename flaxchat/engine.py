@@ -291,14 +291,14 @@ class Engine:
     """
 
     def __init__(self, model: GPT, tokenizer=None, *, tools: bool = True, tool_timeout: float = 3.0,
-                 tool_runner=None):
+                 tool_runner=None, sandbox: str = "best-effort"):
         from flaxchat.tools import run_tool
         self.model = model
         self.config = model.config
         self.graphdef, self.params = nnx.split(model)
         self.tokenizer = tokenizer
         self.tools = tools and tokenizer is not None
-        self.tool_runner = tool_runner or (lambda expr: run_tool(expr, tool_timeout))
+        self.tool_runner = tool_runner or (lambda expr: run_tool(expr, tool_timeout, sandbox))
 
     # -- compiled functions, one per shape --
 

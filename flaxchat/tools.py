@@ -80,11 +80,12 @@ def calculate(expr: str) -> str | None:
     return str(value)
 
 
-def run_tool(expr: str, timeout: float = 3.0) -> str:
-    """Calculator first, else the sandbox; always returns a short text (errors included)."""
+def run_tool(expr: str, timeout: float = 3.0, sandbox: str = "best-effort") -> str:
+    """Calculator first, else the sandbox (`sandbox`: see flaxchat.execution.SANDBOX_HELP); always
+    returns a short text (errors included)."""
     result = calculate(expr)
     if result is None:
-        result = execute_code(expr, timeout=timeout).summary(MAX_RESULT_CHARS)
+        result = execute_code(expr, timeout=timeout, sandbox=sandbox).summary(MAX_RESULT_CHARS)
     return result[:MAX_RESULT_CHARS]
 
 

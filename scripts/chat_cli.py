@@ -19,6 +19,7 @@ import sys
 from flaxchat.chat_mode import MODE_HELP, MODES
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
+from flaxchat.execution import SANDBOX_CHOICES, SANDBOX_HELP
 
 
 def parse_args(argv=None):
@@ -32,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tools", action="store_true", help="do not run the model's Python tool calls")
+    p.add_argument("--sandbox", default="strict", choices=SANDBOX_CHOICES, help=SANDBOX_HELP + " (default: strict)")
     p.add_argument("--mode", default="auto", choices=MODES, help=MODE_HELP + " (default: auto)")
     return p.parse_args(argv)
 
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     from flaxchat.loading import chat_prompt, load_model, stream_text
     make_sampling(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
     model, tokenizer, meta = load_model(args.run_dir, args.step)
-    engine = Engine(model, tokenizer, tools=not args.no_tools)
+    engine = Engine(model, tokenizer, tools=not args.no_tools, sandbox=args.sandbox)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     mode, why = chat_mode.resolve(meta, args.mode)
     print(why, file=sys.stderr if args.prompt is not None else sys.stdout, flush=True)

@@ -33,6 +33,7 @@ import flaxchat
 from flaxchat.chat_mode import MODE_HELP, MODES
 from flaxchat.config import ArgumentParser
 from flaxchat.errors import UserError, cli_main
+from flaxchat.execution import SANDBOX_CHOICES, SANDBOX_HELP
 
 PAGE = Path(flaxchat.__file__).resolve().parent / "web" / "index.html"
 
@@ -292,6 +293,7 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=2, help="replies generated at once (default: 2)")
     p.add_argument("--no-tools", action="store_true", help="do not run the model's Python tool calls")
+    p.add_argument("--sandbox", default="strict", choices=SANDBOX_CHOICES, help=SANDBOX_HELP + " (default: strict)")
     p.add_argument("--mode", default="auto", choices=MODES, help=MODE_HELP + " (default: auto)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile for a short chat at start-up (default: on)")
@@ -318,7 +320,7 @@ def main(argv=None) -> int:
 
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     model, tokenizer, meta = load_model(args.run_dir, args.step)
-    engine = Engine(model, tokenizer, tools=not args.no_tools)
+    engine = Engine(model, tokenizer, tools=not args.no_tools, sandbox=args.sandbox)
     mode, why = resolve(meta, args.mode)
     print(why, flush=True)
     app = create_app(engine, tokenizer, slots=args.slots, limits=limits, name=f"{args.run_dir} step {meta.get('step')}",
