@@ -26,6 +26,14 @@ class ExitCode(enum.IntEnum):
     STOPPED = 130  # 128 + SIGINT: the user stopped it (Ctrl-C)
 
 
+class Preempted(BaseException):
+    """A stop notice (SIGTERM) was acted on: the step was saved and the process ends with
+    ExitCode.PREEMPTED. A BaseException, as KeyboardInterrupt is, so no `except Exception` keeps
+    the loop going."""
+
+    exit_code = ExitCode.PREEMPTED
+
+
 class UserError(Exception):
     """A problem the user can fix; its message is one clear sentence."""
 
@@ -42,4 +50,7 @@ def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return ExitCode.STOPPED
+    except Preempted as e:
+        print(f"{e}: run the same command to resume", file=sys.stderr)
+        return e.exit_code
     return int(result) if isinstance(result, int) else 0

@@ -1,0 +1,215 @@
+"""Preemption as the clouds do it: SIGTERM (a spot TPU VM's notice, the end of a Kaggle session, the
+launcher's stop) finishes the step in flight, saves it and exits 75 (errors.ExitCode.PREEMPTED),
+well inside the ~30 s before the kill. Real processes, real signals, real Orbax saves.
+
+Before, SIGTERM killed the process at once: everything since the last --save-every was lost (the
+main job saves every 250 steps). Now the work lost is the step in flight at most, and the same
+command resumes bit for bit where an uninterrupted run would be.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from test_multihost import compare_params, coordinator_env, cpu_env, free_port
+from test_train import TINY, _env, _final_params, _pretrain, tokenizer_dir  # noqa: F401 (a fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \|")
+STOPPED = re.compile(r"^stopped at step (\d+);", re.M)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokenizer_dir):  # noqa: F811
+    """An uninterrupted run of the same steps: the weights every preempted-then-resumed run must equal."""
+    ref = tmp_path_factory.mktemp("reference") / "run"
+    r = _pretrain([*TINY, f"--tokenizer-dir={tokenizer_dir}", f"--steps={STEPS}", "--save-every=0", f"--run-dir={ref}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return ref
+
+
+# scripts.pretrain unchanged, but the first train step says when it starts compiling (inside the loop).
+DRIVER = """
+import sys, flaxchat.train as train
+step = train.StepLoop.__call__
+def announced_step(self, *args):
+    if not getattr(self, "announced", False):
+        self.announced = True
+        print("compiling the train step", flush=True)
+    return step(self, *args)
+train.StepLoop.__call__ = announced_step
+from flaxchat.errors import cli_main
+from scripts import pretrain
+sys.exit(cli_main(pretrain.main, sys.argv[1:]))
+"""
+# When the notice comes (the line after which it is sent) and how often the run saves on its own.
+MOMENTS = {
+    "during-compile": (lambda line: line.startswith("compiling the train step"), "--save-every=0"),
+    "mid-step": (lambda line: line.startswith(f"step 00005/{STEPS:05d}"), "--save-every=0"),
+    "mid-save": (lambda line: line.startswith("step 00008 | saving checkpoint"), "--save-every=4"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_sigterm_saves_the_step_in_flight_and_the_run_resumes_bit_for_bit(moment, tmp_path, tokenizer_dir,  # noqa: F811
+                                                                          reference):
+    when, save_every = MOMENTS[moment]
+    common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", f"--steps={STEPS}", save_every]
+    run = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, *common, f"--run-dir={run}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, trained, t_signal = [], 0, None
+    for line in proc.stdout:
+        seen.append(line)
+        if m := STEP_LINE.match(line):
+            trained = int(m.group(1))
+        if when(line):
+            t_signal = time.time()
+            proc.send_signal(signal.SIGTERM)
+            break
+    seen += proc.stdout.readlines()
+    code = proc.wait(timeout=60)
+    to_exit = time.time() - t_signal
+    out = "".join(seen)
+    assert t_signal is not None and code == 75, out[-3000:]  # before: -15, killed with nothing saved
+    assert to_exit < 25, f"{to_exit:.1f} s from SIGTERM to exit"
+    saved = int(STOPPED.search(out).group(1))
+    # Nothing trained is lost: the saved step is at least the last step reported before the notice,
+    # and at most the one in flight after it.
+    assert trained <= saved <= trained + 1, (trained, saved, out[-2000:])
+    steps_on_disk = sorted(int(s) for s in os.listdir(run / "checkpoints")) if saved else []
+    assert (steps_on_disk[-1] if steps_on_disk else 0) == saved and not (run / "COMPLETE").exists()
+    print(f"{moment}: SIGTERM after step {trained}, saved step {saved}, exit 75 after {to_exit:.1f} s")
+
+    r = _pretrain([*common, f"--run-dir={run}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (f"resumed from step {saved} " in r.stdout) == (saved > 0)
+    (step_a, a), (step_b, b) = _final_params(reference), _final_params(run)
+    assert step_a == step_b == STEPS
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
+
+
+# StopOnSignal's own contract in a process of its own: a save that outlasts the grace period is
+# reported and the process still exits 75 in time; a second SIGTERM stops at once.
+GRACE = textwrap.dedent("""
+    import sys, time
+    from flaxchat.errors import cli_main
+    from flaxchat.stage import StopOnSignal
+
+    class Checkpoints:
+        def raise_if_failed(self): pass
+        def latest_step(self): return None
+        def close(self): pass
+
+    def main(argv):
+        with StopOnSignal(lambda s: print(s, flush=True), grace_s=float(sys.argv[1])) as notice:
+            step = 0
+            while True:
+                notice.stop_here(step, Checkpoints(), lambda at: (print("saving", flush=True), time.sleep(30)))
+                step += 1
+                print(f"step {step}", flush=True)
+                time.sleep(0.05)
+
+    sys.exit(cli_main(main))
+""")
+
+
+def _start_loop(grace: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", GRACE, str(grace)], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3"):
+            return proc
+    raise AssertionError(f"the loop did not start: {proc.communicate(timeout=10)[0]}")
+
+
+@pytest.mark.timeout(60)
+def test_a_save_past_the_grace_period_is_reported_and_still_exits_75_in_time():
+    proc = _start_loop(grace=1.0)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 75, out
+    assert 1.0 <= time.time() - t0 < 5, time.time() - t0
+    assert "saving" in out and "did not finish within the 1 s grace period" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_stops_at_once():
+    proc = _start_loop(grace=20.0)
+    proc.send_signal(signal.SIGTERM)
+    for line in proc.stdout:
+        if line.startswith("saving"):
+            break
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGTERM and time.time() - t0 < 5
+
+
+# --- several processes ----------------------------------------------------------------------------
+MULTI = [*TINY, "--steps=30", "--save-every=0", "--max-chars-tokenizer=20000", "--seed=3"]
+
+
+def _start_job(run, port, extra=()):
+    return [subprocess.Popen([sys.executable, "-m", "scripts.pretrain", f"--run-dir={run}", *MULTI, *extra], cwd=ROOT,
+                             env=cpu_env(1, **coordinator_env(port, 2, i)), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def _outputs(procs, timeout):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"the job did not end in {timeout} s:\n{p.communicate()[0][-3000:]}")
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_one_process_of_two_both_save_the_same_step_and_resume_equal(tmp_path):
+    """JAX's preemption sync point: the notice reaches process 1 only; both stop at the same step
+    (never one the other has not reached), save it together and exit 75; the job resumes equal to an
+    uninterrupted one."""
+    ref = tmp_path / "uninterrupted"
+    outs = _outputs(_start_job(ref, free_port()), 400)
+    assert "2 device(s) in 2 process(es)" in outs[0], outs[0][-2000:]
+
+    run = tmp_path / "preempted"
+    procs = _start_job(run, free_port())
+    seen, trained = [], 0
+    for line in procs[0].stdout:  # process 0 prints the steps
+        seen.append(line)
+        if m := STEP_LINE.match(line):
+            trained = int(m.group(1))
+            if trained >= 5:
+                t_signal = time.time()
+                procs[1].send_signal(signal.SIGTERM)
+                break
+    outs = _outputs(procs, 120)
+    to_exit = time.time() - t_signal
+    out0 = "".join(seen) + outs[0]
+    assert [p.returncode for p in procs] == [75, 75], (out0[-2000:], outs[1][-2000:])
+    agreed = int(re.search(r"every process stops at step (\d+)", out0).group(1))
+    assert trained <= agreed <= trained + 3, (trained, agreed)  # the largest step reached + 1
+    assert sorted(os.listdir(run / "checkpoints")) == [str(agreed)]
+    print(f"2 processes: SIGTERM to process 1 after step {trained}, both saved step {agreed}, exit 75 after "
+          f"{to_exit:.1f} s")
+
+    outs = _outputs(_start_job(run, free_port()), 400)
+    assert f"resumed from step {agreed} " in outs[0], outs[0][-2000:]
+    assert "OK" in compare_params(ref, run, 2)
