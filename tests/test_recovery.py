@@ -246,11 +246,40 @@ def test_loop_logs_a_failed_action_and_retries_it():
 
 
 def test_loop_gives_up_after_bounded_restarts():
-    pod = FakePod([obs(alive(), exited(2))])
+    pod = FakePod([obs(alive(), exited(1))])
     clock = FakeClock()
     d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
     assert d.action is Action.GIVE_UP and "restarted 3 times" in d.reason
     assert pod.calls == ["restart"] * 3
+
+
+def test_a_user_error_is_not_retried():
+    pod = FakePod([obs(alive(), exited(2))])
+    clock = FakeClock()
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert d.action is Action.GIVE_UP and "worker 1 exited 2" in d.reason and "user error" in d.reason
+    assert pod.calls == []
+
+
+@pytest.mark.parametrize("code", [75, 143])  # saved on the notice; SIGTERM before the loop
+def test_a_preemption_resumes_at_once_without_counting_against_max_restarts(code):
+    c = Counters(restarts=P.max_restarts, progress_step=5)  # the crash budget is spent: a preemption still resumes
+    d = act(obs(exited(code), exited(code)), c)
+    assert d.action is Action.RESTART and d.delay == 0 and not d.counted and "preempted" in d.reason
+    after = next_counters(c, obs(exited(code), exited(code)), d)
+    assert (after.restarts, after.preemptions) == (P.max_restarts, 1)
+    # Mixed with a crash, it is a crash.
+    assert act(obs(exited(code), exited(1)), Counters()).counted
+
+
+def test_preemptions_with_progress_go_on_for_ever_and_without_it_give_up():
+    steps = iter(range(10, 1000, 10))
+    pod = FakePod([obs(exited(75, s), exited(75, s)) for s in [next(steps) for _ in range(20)]]
+                  + [obs(exited(75, 500), exited(75, 500))])  # the last one repeats: no progress
+    clock = FakeClock()
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert d.action is Action.GIVE_UP and f"preempted {P.max_recreates} times without progress" in d.reason
+    assert pod.calls == ["restart"] * (20 + P.max_recreates)  # 20 with progress, then the bounded ones
 
 
 def test_loop_gives_up_on_a_command_that_exits_at_once_every_time_it_is_started():

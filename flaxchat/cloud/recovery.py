@@ -10,6 +10,10 @@ test runs hours of polling in milliseconds).
     completion marker present .............. DONE
     no worker runs this command yet ........ START
     a worker crashed / exited 0 unfinished . RESTART, exponential backoff, bounded
+    every stopped worker exited 75 .......... RESTART at once, not counted against max_restarts: the
+      (preempted; 143: SIGTERM before the     stage saved its step on the notice (its own budget,
+      loop)                                   max_recreates without progress, ends a loop of them)
+    a worker exited 2 (a user error) ....... GIVE_UP: running it again fails the same way
     a worker alive, its step unchanged ..... RESTART (hung): the step comes from the progress file
       for heartbeat_deadline_s                every process writes, never from printed lines (only
                                               process 0 prints on a pod)
@@ -35,12 +39,17 @@ import enum
 import time
 from typing import Callable, Protocol, Sequence
 
+from flaxchat.errors import ExitCode
 from flaxchat.remote.base import RemoteError
 
 GONE_STATES = frozenset({"PREEMPTED", "TERMINATED"})
 QR_GONE_STATES = frozenset({"FAILED", "SUSPENDED", "SUSPENDING"})
 # Google's node `health` values that say the host itself is broken (not just our ssh to it).
 BAD_HEALTH = frozenset({"UNHEALTHY_MAINTENANCE", "TIMEOUT", "UNHEALTHY_TENSORFLOW"})
+# What a stage that was preempted exits with (flaxchat.errors.ExitCode, docs/deployment.md): 75 when
+# it saved its step on the notice; 143 (128 + SIGTERM, as the worker reports a signal) when the
+# notice came before its loop, where nothing had been trained since its checkpoint.
+PREEMPTED_EXITS = frozenset({int(ExitCode.PREEMPTED), 128 + 15})
 WAIT_STATES = frozenset({"CREATING", "REPAIRING", "RESTARTING", "STARTING", "STOPPING", "DELETING", "UNKNOWN",
                          "STATE_UNSPECIFIED"})
 
@@ -83,6 +92,7 @@ class Observation:
 class Counters:
     restarts: int = 0  # since the last progress
     recreates: int = 0  # since the last progress
+    preemptions: int = 0  # restarts after an exit 75, since the last progress (not against max_restarts)
     unreachable_polls: int = 0  # consecutive polls with a worker that did not answer
     progress_step: int | None = None  # the furthest step seen
     # Per worker: (run id, last step seen, when that step was first seen): a worker whose step has
@@ -109,6 +119,7 @@ class Decision:
     action: Action
     reason: str
     delay: float = 0.0  # seconds to wait before acting (restart backoff)
+    counted: bool = True  # a RESTART that counts against max_restarts (a preemption's does not)
 
 
 def _backoff(policy: Policy, restarts: int) -> float:
@@ -161,6 +172,14 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
     if crashed:
         what = ", ".join(f"worker {i} " + ("never started" if foreign(w) else "was killed" if w.state == "killed"
                                            else f"exited {w.exit_code}") for i, w in crashed)
+        if any(w.state == "exited" and w.exit_code == ExitCode.USER_ERROR for _, w in crashed):
+            return Decision(Action.GIVE_UP, f"{what}: exit 2 is a user error (its last line says which), and "
+                                            "running the same command again fails the same way")
+        if all(w.state == "exited" and w.exit_code in PREEMPTED_EXITS for _, w in crashed):
+            if counters.preemptions >= policy.max_recreates:
+                return Decision(Action.GIVE_UP, f"{what}: preempted {counters.preemptions} times without progress")
+            return Decision(Action.RESTART, f"{what} (preempted, its step saved): resume now, not counted against "
+                                            "--max-restarts", counted=False)
         return _restart(what, counters, policy)
     if finished:
         if not obs.expects_marker:
@@ -194,14 +213,16 @@ def next_counters(counters: Counters, obs: Observation, decision: Decision) -> C
     best = max(steps) if steps else None
     c = counters
     if best is not None and (c.progress_step is None or best > c.progress_step):
-        c = dataclasses.replace(c, restarts=0, recreates=0, progress_step=best)
+        c = dataclasses.replace(c, restarts=0, recreates=0, preemptions=0, progress_step=best)
     unreachable = any(not w.reachable for w in obs.workers) and obs.vm_state == "READY"
     c = dataclasses.replace(c, unreachable_polls=c.unreachable_polls + 1 if unreachable else 0)
     if obs.workers and not unreachable:
         c = dataclasses.replace(c, steps_seen=tuple((w.run_id, w.step, _since(counters, i, w, obs.now))
                                                     for i, w in enumerate(obs.workers)))
-    if decision.action is Action.RESTART:
+    if decision.action is Action.RESTART and decision.counted:
         c = dataclasses.replace(c, restarts=c.restarts + 1)
+    elif decision.action is Action.RESTART:
+        c = dataclasses.replace(c, preemptions=c.preemptions + 1)
     elif decision.action is Action.RECREATE:
         c = dataclasses.replace(c, recreates=c.recreates + 1, unreachable_polls=0)
     if decision.action in (Action.RESTART, Action.RECREATE, Action.START):
@@ -296,6 +317,8 @@ def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[
         i = w["worker"]
         if not w.get("reachable", True):
             problems.append(f"worker {i} does not answer ssh")
+        elif w["state"] == "exited" and w["exit_code"] in PREEMPTED_EXITS:
+            problems.append(f"worker {i} was preempted (exit {w['exit_code']}): its step was saved; resume it")
         elif w["state"] == "exited" and w["exit_code"] != 0:
             problems.append(f"worker {i} crashed (exit {w['exit_code']}): {w.get('last_line', '')}")
         elif w["state"] == "killed":
