@@ -8,7 +8,11 @@ on stderr and a non-zero exit, never a traceback. Bugs still raise normally.
 from __future__ import annotations
 
 import enum
+import faulthandler
+import os
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 
@@ -40,8 +44,27 @@ class UserError(Exception):
     exit_code = ExitCode.USER_ERROR
 
 
+# A supervisor (flaxchat/cloud/worker.py) names a folder here; the process then writes every thread's
+# Python stack to <folder>/stacks-<pid>.txt when sent SIGUSR1: what `worker.py dump` gathers from a
+# hung run before it is killed. From the first line of main, so a hang in jax.distributed.initialize
+# shows too.
+STACKS_ENV = "FLAXCHAT_STACKS_DIR"
+_stacks_file = None  # kept open: faulthandler writes to its descriptor from the signal handler
+
+
+def listen_for_stack_dumps() -> None:
+    global _stacks_file
+    folder = os.environ.get(STACKS_ENV)
+    if not folder or _stacks_file is not None or threading.current_thread() is not threading.main_thread():
+        return
+    _stacks_file = open(os.path.join(folder, f"stacks-{os.getpid()}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True)
+
+
 def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> int:
-    """Run `main(argv)`; print a UserError as one line on stderr and return its exit code."""
+    """Run `main(argv)`; print a UserError as one line on stderr and return its exit code (a stop
+    on a signal returns ExitCode.PREEMPTED or STOPPED)."""
+    listen_for_stack_dumps()
     try:
         result = main(argv)
     except UserError as e:

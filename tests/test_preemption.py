@@ -213,3 +213,88 @@ def test_sigterm_to_one_process_of_two_both_save_the_same_step_and_resume_equal(
     outs = _outputs(_start_job(run, free_port()), 400)
     assert f"resumed from step {agreed} " in outs[0], outs[0][-2000:]
     assert "OK" in compare_params(ref, run, 2)
+
+
+# --- where it hung: a supervisor's worker asks a stalled stage for its stacks ----------------------
+STALLED = textwrap.dedent("""
+    import os, sys, time
+    from flaxchat.errors import cli_main
+    from flaxchat.progress import Progress
+
+    def stalled_step():
+        time.sleep(600)  # a collective that never returns
+
+    def main(argv):
+        if argv[0] == "distributed":  # process 1 of 2, waiting for a coordinator that never comes
+            import jax
+            jax.distributed.initialize(coordinator_address=argv[1], num_processes=2, process_id=1,
+                                       initialization_timeout=600)
+        Progress("test", steps=10).update(3, force=True)
+        print("training", flush=True)
+        stalled_step()
+
+    sys.exit(cli_main(main, sys.argv[1:]))
+""")
+
+
+def _worker(*args, state) -> dict:
+    from flaxchat.cloud import gcloud as g, worker
+    out = subprocess.run([sys.executable, worker.__file__, args[0], "--state-dir", str(state), *args[1:]], env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    return g.parse_worker_lines(out.stdout)[0]
+
+
+def _start_stalled(tmp_path, *argv) -> str:
+    state = tmp_path / "state"
+    (tmp_path / "stalled.py").write_text(STALLED)
+    assert _worker("start", "--run-id", "r1", "--cwd", str(tmp_path), "--", sys.executable, "stalled.py", *argv,
+                   state=state)["started"]
+    return state
+
+
+def _wait_for(state, line: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while line not in ((state / "output.log").read_text() if (state / "output.log").exists() else ""):
+        assert time.time() < deadline, (state / "output.log").read_text()
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_step_leaves_its_python_stacks_before_it_is_killed(tmp_path):
+    # Started from an ssh session (its own session, as sshd makes one) that then drops: SIGHUP to it.
+    from flaxchat.cloud import worker
+    state = tmp_path / "state"
+    (tmp_path / "stalled.py").write_text(STALLED)
+    start = [sys.executable, worker.__file__, "start", "--state-dir", str(state), "--run-id", "r1", "--cwd",
+             str(tmp_path), "--", sys.executable, "stalled.py", "step"]
+    ssh = subprocess.Popen(["bash", "-c", f"{' '.join(start)} && sleep 60"], env=_env(), start_new_session=True,
+                           stdout=subprocess.DEVNULL)
+    try:
+        _wait_for(state, "training")
+        os.killpg(ssh.pid, signal.SIGHUP)
+        assert ssh.wait(timeout=10) == -signal.SIGHUP
+        time.sleep(0.5)
+        assert _worker("status", state=state)["alive"]  # the job lives on
+        dump = _worker("dump", state=state)
+        stacks = open(dump["stacks"]).read()
+        assert "in stalled_step" in stacks and "hung in the step after 3" in stacks, stacks
+        assert dump["where"] == "the step after 3" and len(dump["processes"]) == 1
+        assert _worker("status", state=state)["hang_file"] == dump["stacks"]  # what --health names
+    finally:
+        _worker("stop", state=state)
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_in_the_distributed_start_is_told_apart_from_a_stuck_step(tmp_path):
+    state = _start_stalled(tmp_path, "distributed", f"127.0.0.1:{free_port()}")  # no coordinator there
+    try:
+        deadline = time.time() + 60
+        while not list(state.glob("stacks-*.txt")) and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)  # well inside jax.distributed.initialize
+        dump = _worker("dump", state=state)
+        stacks = open(dump["stacks"]).read()
+        assert dump["where"] == "the distributed start (jax.distributed.initialize)", stacks
+        assert "stalled_step" not in stacks and "in initialize" in stacks
+    finally:
+        _worker("stop", state=state)

@@ -104,7 +104,7 @@ def test_a_step_that_stops_moving_past_the_deadline_is_hung():
     c = next_counters(c, obs(alive(9), alive(5), now=300.0), Decision(Action.WATCH, ""))
     assert act(obs(alive(12), alive(5), now=599.0), c).action is Action.WATCH
     d = act(obs(alive(14), alive(5), now=601.0), c)
-    assert d.action is Action.RESTART and "hung" in d.reason and "[1]" in d.reason
+    assert d.action is Action.RESTART and "hung" in d.reason and "[1]" in d.reason and d.hung
     # The worker's own clock (progress_age) does not decide: a skewed VM clock is harmless.
     assert act(obs(alive(14, age=10_000), alive(6, age=10_000), now=601.0), c).action is Action.WATCH
 
@@ -129,6 +129,10 @@ def test_two_simulated_hours_where_only_process_0_prints_then_one_hang_is_one_re
         def start(self):
             raise AssertionError("already running")
 
+        def dump_stacks(self):  # the hung run is still there when its stacks are asked for
+            assert state["run"] == "r1"
+            state["dumps"] = state.get("dumps", 0) + 1
+
         def restart(self):
             state["restarts"] += 1
             state["run"] = "r2"
@@ -137,7 +141,7 @@ def test_two_simulated_hours_where_only_process_0_prints_then_one_hang_is_one_re
             raise AssertionError("nothing to recreate")
     policy = Policy(poll_s=60, heartbeat_deadline_s=1800, backoff_s=30)
     d = recover_loop(observe, Pod(), policy, clock=clock, sleep=clock.sleep, log=logs.append)
-    assert d.action is Action.DONE and state["restarts"] == 1, logs
+    assert d.action is Action.DONE and state["restarts"] == 1 and state["dumps"] == 1, logs
     restart = [x for x in logs if "restart:" in x]
     assert len(restart) == 1 and "worker(s) [1] alive but no training step for over 1800 s" in restart[0]
     assert float(restart[0].split("+")[1].split("s]")[0]) >= 2 * 3600 + 1800  # not before 2 h + the deadline
@@ -204,6 +208,9 @@ class FakePod:
 
     def restart(self):
         self._act("restart")
+
+    def dump_stacks(self):
+        self._act("dump_stacks")
 
     def recreate(self):
         self._act("recreate")

@@ -16,7 +16,8 @@ test runs hours of polling in milliseconds).
     a worker exited 2 (a user error) ....... GIVE_UP: running it again fails the same way
     a worker alive, its step unchanged ..... RESTART (hung): the step comes from the progress file
       for heartbeat_deadline_s                every process writes, never from printed lines (only
-                                              process 0 prints on a pod)
+                                              process 0 prints on a pod); every worker's Python
+                                              stacks are written first (worker.py dump: hang-*.txt)
     a worker does not answer ssh ........... WAIT, with backoff, and say so: ssh trouble (a key,
                                               OS Login, IAP, a slow sshd) is no evidence that the VM
                                               is gone, and deleting a READY pod kills a healthy run
@@ -120,6 +121,7 @@ class Decision:
     reason: str
     delay: float = 0.0  # seconds to wait before acting (restart backoff)
     counted: bool = True  # a RESTART that counts against max_restarts (a preemption's does not)
+    hung: bool = False  # a RESTART of a hung run: its stacks are written before it is killed
 
 
 def _backoff(policy: Policy, restarts: int) -> float:
@@ -186,8 +188,9 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
             return Decision(Action.DONE, "every worker exited 0")
         return _restart("every worker exited 0 but the completion marker is missing", counters, policy)
     if hung:
-        return _restart(f"worker(s) {hung} alive but no training step for over {policy.heartbeat_deadline_s:.0f} s "
-                        "(hung)", counters, policy)
+        d = _restart(f"worker(s) {hung} alive but no training step for over {policy.heartbeat_deadline_s:.0f} s "
+                     "(hung)", counters, policy)
+        return dataclasses.replace(d, hung=d.action is Action.RESTART)
     return Decision(Action.WATCH, "the VM is READY and the workers are running")
 
 
@@ -231,6 +234,7 @@ def next_counters(counters: Counters, obs: Observation, decision: Decision) -> C
 
 
 class Actions(Protocol):
+    def dump_stacks(self) -> None: ...  # every worker's Python stacks into hang-<time>.txt
     def start(self) -> None: ...
     def restart(self) -> None: ...
     def recreate(self) -> None: ...
@@ -268,6 +272,8 @@ def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: P
             return decision
         try:
             if decision.action is Action.RESTART:
+                if decision.hung:  # before the kill: where it was stuck
+                    actions.dump_stacks()
                 sleep(decision.delay)
                 actions.restart()
             elif decision.action is Action.RECREATE:
@@ -325,4 +331,6 @@ def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[
             problems.append(f"worker {i}'s process was killed (no exit code): {w.get('last_line', '')}")
         elif w["state"] == "running" and (w.get("progress_age") or 0) > deadline_s:
             problems.append(f"worker {i} has finished no training step for {_age(w['progress_age'])} (hung?)")
+        if w.get("hang_file"):
+            problems.append(f"worker {i} hung earlier; its Python stacks are in {w['hang_file']} (on the worker)")
     return problems
