@@ -332,3 +332,15 @@ def test_health_names_a_worker_without_progress_and_one_that_does_not_answer():
                {"worker": 2, "reachable": False}]
     assert health_problems("READY", workers, 1800.0) == [
         "worker 1 has finished no training step for 35m (hung?)", "worker 2 does not answer ssh"]
+
+
+def test_health_calls_a_preemption_by_its_name_and_names_the_last_hangs_stacks():
+    from flaxchat.cloud.recovery import format_health, health_problems
+    workers = [{"worker": 0, "state": "exited", "exit_code": 75, "hang_file": "/h/.flaxchat/run/hang-1.txt"},
+               {"worker": 1, "state": "exited", "exit_code": 1, "last_line": "Traceback"}]
+    problems = health_problems("READY", workers, 1800.0)
+    assert problems == ["worker 0 was preempted (exit 75): its step was saved; resume it",
+                        "worker 1 crashed (exit 1): Traceback"]
+    text = format_health({"vm": "v", "accelerator": "v4-8", "zone": "z", "state": "READY", "workers": workers,
+                          "problems": problems})
+    assert "stacks of worker 0's last hang: /h/.flaxchat/run/hang-1.txt (on the worker)" in text

@@ -314,6 +314,9 @@ def format_health(report: dict) -> str:
                      f"{_age(w.get('progress_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
                      f"{(w.get('last_line') or '')[:80]}")
     lines += [f"problem: {p}" for p in report["problems"]]
+    # Not a problem of the run going now (a restart followed), but where the last hang was stuck.
+    lines += [f"stacks of worker {w['worker']}'s last hang: {w['hang_file']} (on the worker)"
+              for w in report["workers"] if w.get("hang_file")]
     return "\n".join(lines)
 
 
@@ -331,6 +334,4 @@ def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[
             problems.append(f"worker {i}'s process was killed (no exit code): {w.get('last_line', '')}")
         elif w["state"] == "running" and (w.get("progress_age") or 0) > deadline_s:
             problems.append(f"worker {i} has finished no training step for {_age(w['progress_age'])} (hung?)")
-        if w.get("hang_file"):
-            problems.append(f"worker {i} hung earlier; its Python stacks are in {w['hang_file']} (on the worker)")
     return problems
