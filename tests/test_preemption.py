@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from test_multihost import compare_params, coordinator_env, cpu_env, free_port
+from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
 from test_train import TINY, _env, _final_params, _pretrain, tokenizer_dir  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -298,3 +299,49 @@ def test_a_hang_in_the_distributed_start_is_told_apart_from_a_stuck_step(tmp_pat
         assert "stalled_step" not in stacks and "in initialize" in stacks
     finally:
         _worker("stop", state=state)
+
+
+# --- SFT and RL: the same notice, the same loop helper --------------------------------------------
+STAGES = {
+    "sft": ["--mix", "chat,arithmetic", "--steps", "6", "--device-batch-size", "2", "--eval-every", "0",
+            "--save-every", "0", "--log-every", "1"],
+    "rl": ["--steps", "3", "--prompts", "2", "--samples", "2", "--max-new-tokens", "8", "--eval-every", "0",
+           "--save-every", "0", "--log-every", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", list(STAGES))
+def test_sft_and_rl_save_on_sigterm_and_resume_from_that_step(script, base, tmp_path):  # noqa: F811
+    from test_sft_rl import _params
+    args = ["--base", str(base), *STAGES[script]]
+    run = tmp_path / script
+    proc = subprocess.Popen([sys.executable, "-m", f"scripts.{script}", *args, "--run-dir", str(run)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, trained = [], 0
+    for line in proc.stdout:
+        seen.append(line)
+        if m := STEP_LINE.match(line):
+            trained = int(m.group(1))
+            proc.send_signal(signal.SIGTERM)
+            break
+    seen += proc.stdout.readlines()
+    out = "".join(seen)
+    assert proc.wait(timeout=120) == 75, out[-3000:]
+    saved = int(STOPPED.search(out).group(1))
+    assert trained <= saved <= trained + 1 and sorted(os.listdir(run / "checkpoints")) == [str(saved)]
+
+    r = _run_stage(script, *args, "--run-dir", str(run))
+    assert r.returncode == 0 and f"resumed from step {saved}" in r.stdout, r.stderr[-3000:]
+    if script == "sft":  # bit for bit as an uninterrupted run (RL's rollouts are checked for resuming only)
+        ref = tmp_path / "uninterrupted"
+        r = _run_stage(script, *args, "--run-dir", str(ref))
+        assert r.returncode == 0, r.stderr[-3000:]
+        for a, b in zip(_params(ref)[1], _params(run)[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def _run_stage(script, *args):
+    return subprocess.run([sys.executable, "-m", f"scripts.{script}", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=400)
