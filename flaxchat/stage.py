@@ -91,9 +91,10 @@ class StopOnSignal:
 
     def _out_of_time(self) -> None:
         from flaxchat.errors import ExitCode
-        at = f"step {self._step}" if self._step is not None else "the step in flight"
-        self.log(f"the save of {at} did not finish within the {self.grace_s:g} s grace period (--preempt-grace); "
-                 "the run resumes from its previous checkpoint.")
+        at = f"the save of step {self._step}" if self._step is not None else \
+            "the step in flight (with an evaluation or sampling after it, if one was due)"
+        self.log(f"{at} did not finish within the {self.grace_s:g} s grace period (--preempt-grace); exiting "
+                 "unsaved: the run resumes from its previous checkpoint.")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(ExitCode.PREEMPTED if self.requested == signal.SIGTERM else ExitCode.STOPPED)

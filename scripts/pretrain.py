@@ -64,7 +64,8 @@ HELP = {
     "sample_every": "steps between sampled stories (0: none during training; the end always samples)",
     "save_every": "steps between checkpoints (0: only the last step, which is always saved)",
     "keep_checkpoints": "how many checkpoints to keep",
-    "preempt_grace": "seconds from SIGTERM (a preemption notice) to exit: the step in flight finishes and is saved; past it the run exits unsaved",
+    "preempt_grace": "seconds from SIGTERM (a preemption notice) to exit: the step in flight finishes and is "
+                     "saved, exit code 75; a save still going then is given up (docs/deployment.md)",
     "log_every": "steps between progress lines",
     "seed": "seed of the initialisation and the data order",
     "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",

@@ -68,7 +68,8 @@ def test_sigterm_saves_the_step_in_flight_and_the_run_resumes_bit_for_bit(moment
     when, save_every = MOMENTS[moment]
     common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", f"--steps={STEPS}", save_every]
     run = tmp_path / "preempted"
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, *common, f"--run-dir={run}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, *common, f"--run-dir={run}"], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen, trained, t_signal = [], 0, None
     for line in proc.stdout:
         seen.append(line)
