@@ -2,7 +2,9 @@
 
 A mistake by the user (a bad flag value, a missing file, an impossible config) raises `UserError`
 with one sentence that says what was wrong and what to do. `cli_main` turns it into that sentence
-on stderr and a non-zero exit, never a traceback. Bugs still raise normally.
+on stderr and a non-zero exit, never a traceback. Bugs still raise normally. A stage stopped on a
+signal ends with its ExitCode (`Preempted`: 75, Ctrl-C: 130), and under a supervisor that asks for it
+the process writes its stacks on SIGUSR1 (`listen_for_stack_dumps`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def listen_for_stack_dumps() -> None:
     folder = os.environ.get(STACKS_ENV)
     if not folder or _stacks_file is not None or threading.current_thread() is not threading.main_thread():
         return
-    _stacks_file = open(os.path.join(folder, f"stacks-{os.getpid()}.txt"), "w")
+    try:
+        _stacks_file = open(os.path.join(folder, f"stacks-{os.getpid()}.txt"), "w")
+    except OSError:
+        return  # a folder gone or read-only: run on, without stacks on demand
     faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True)
 
 
