@@ -346,3 +346,27 @@ def test_sft_and_rl_save_on_sigterm_and_resume_from_that_step(script, base, tmp_
 def _run_stage(script, *args):
     return subprocess.run([sys.executable, "-m", f"scripts.{script}", *args], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_workers_stop_saves_the_step_and_its_exit_code_says_preempted(tmp_path, tokenizer_dir):  # noqa: F811
+    """The launcher's --stop (and a restart) goes through worker.py stop: SIGTERM, then SIGKILL after
+    30 s. A stage saves its step in that time, and the worker records 75 for recovery to read."""
+    state, run = tmp_path / "state", tmp_path / "run"
+    cmd = [sys.executable, "-m", "scripts.pretrain", *TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=100000",
+           "--save-every=0", f"--run-dir={run}"]
+    assert _worker("start", "--run-id", "r1", "--cwd", ROOT, "--", *cmd, state=state)["started"]
+    try:
+        deadline = time.time() + 200
+        while (_worker("status", state=state).get("step") or 0) < 3:
+            assert time.time() < deadline and _worker("status", state=state)["alive"], \
+                (state / "output.log").read_text()[-3000:]
+            time.sleep(1)
+    finally:
+        _worker("stop", state=state)
+    st = _worker("status", state=state)
+    log = (state / "output.log").read_text()
+    assert st["exit_code"] == 75 and st["state"] == "exited", log[-3000:]
+    saved = int(STOPPED.search(log).group(1))
+    assert saved >= 3 and sorted(os.listdir(run / "checkpoints")) == [str(saved)]

@@ -260,7 +260,12 @@ def supervise(state_dir: str) -> int:
     return code  # the log is left open: a pump still draining a leftover's output writes to it until exit
 
 
-def stop(state_dir: str, grace: float = 10.0) -> dict:
+# SIGTERM first, then this long before SIGKILL: a flaxchat stage saves the step in flight on SIGTERM
+# and exits 75 within its --preempt-grace (25 s), as it would on a cloud's preemption notice.
+STOP_GRACE_S = 30.0
+
+
+def stop(state_dir: str, grace: float = STOP_GRACE_S) -> dict:
     run = _read_json(_paths(state_dir)["run"]) or {}
     pid = run.get("child_pid")
     if not _pid_alive(pid):
