@@ -163,8 +163,21 @@ def test_a_second_sigterm_stops_at_once():
 MULTI = [*TINY, "--steps=30", "--save-every=0", "--max-chars-tokenizer=20000", "--seed=3"]
 
 
-def _start_job(run, port, extra=()):
-    return [subprocess.Popen([sys.executable, "-m", "scripts.pretrain", f"--run-dir={run}", *MULTI, *extra], cwd=ROOT,
+# scripts.pretrain, each step 0.3 s longer: the notice's round through the coordination service
+# (about 0.2 s here) must come before the last step, or the job rightly just finishes (exit 0).
+SLOW_STEPS = """
+import sys, time, flaxchat.train as train
+step = train.StepLoop.__call__
+train.StepLoop.__call__ = lambda self, *args: (time.sleep(0.3), step(self, *args))[1]
+from flaxchat.errors import cli_main
+from scripts import pretrain
+sys.exit(cli_main(pretrain.main, sys.argv[1:]))
+"""
+
+
+def _start_job(run, port, slow=False):
+    how = ["-c", SLOW_STEPS] if slow else ["-m", "scripts.pretrain"]
+    return [subprocess.Popen([sys.executable, *how, f"--run-dir={run}", *MULTI], cwd=ROOT,
                              env=cpu_env(1, **coordinator_env(port, 2, i)), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
 
@@ -192,7 +205,7 @@ def test_sigterm_to_one_process_of_two_both_save_the_same_step_and_resume_equal(
     assert "2 device(s) in 2 process(es)" in outs[0], outs[0][-2000:]
 
     run = tmp_path / "preempted"
-    procs = _start_job(run, free_port())
+    procs = _start_job(run, free_port(), slow=True)
     seen, trained = [], 0
     for line in procs[0].stdout:  # process 0 prints the steps
         seen.append(line)
