@@ -220,7 +220,9 @@ def test_sigterm_to_one_process_of_two_both_save_the_same_step_and_resume_equal(
     out0 = "".join(seen) + outs[0]
     assert [p.returncode for p in procs] == [75, 75], (out0[-2000:], outs[1][-2000:])
     agreed = int(re.search(r"every process stops at step (\d+)", out0).group(1))
-    assert trained <= agreed <= trained + 3, (trained, agreed)  # the largest step reached + 1
+    # The largest step any process had reached when the notice came round, + 1: the steps trained
+    # meanwhile are saved too, so nothing is lost however long the round took (1-3 steps here).
+    assert trained <= agreed < 30 and to_exit < 25, (trained, agreed, to_exit)
     assert sorted(os.listdir(run / "checkpoints")) == [str(agreed)]
     print(f"2 processes: SIGTERM to process 1 after step {trained}, both saved step {agreed}, exit 75 after "
           f"{to_exit:.1f} s")
