@@ -142,12 +142,15 @@ class RunConfig:
     log_every: int = 10
     seed: int = 0
     fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
+    preempt_grace: float = 25.0  # seconds from SIGTERM to exit, the save included (clouds kill ~30 s after)
 
     def validate_run(self, **every: int) -> None:
         """The shared flags' checks; `every` adds a stage's own cadences (--sample-every)."""
         check_sharding(self.sharding)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16 (got {self.dtype!r}).")
+        if self.preempt_grace <= 0:
+            raise UserError(f"--preempt-grace must be more than 0 seconds (got {self.preempt_grace}).")
         if self.log_every < 1:
             raise UserError(f"--log-every must be at least 1 (got {self.log_every}).")
         from flaxchat.stage import check_bookkeeping

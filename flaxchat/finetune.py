@@ -28,6 +28,8 @@ STAGE_HELP = {
     "steps": "optimizer steps",
     "save_every": "steps between checkpoints (0: only the last step; it is always saved)",
     "keep_checkpoints": "how many checkpoints to keep",
+    "preempt_grace": "seconds from SIGTERM (a preemption notice) to exit: the step in flight finishes and is "
+                     "saved, exit code 75; a save still going then is given up (docs/deployment.md)",
     "log_every": "steps between progress lines",
     "seed": "seed of the data order and the sampling",
     "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",

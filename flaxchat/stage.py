@@ -16,7 +16,9 @@ the later stages' model/optimizer opening on top of these; `scripts.pretrain` us
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Callable
 
@@ -33,41 +35,99 @@ def check_bookkeeping(keep_checkpoints: int, **every: int) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {n}).")
 
 
-class StopOnCtrlC:
-    """Ctrl-C during a stage's loop: the step in flight finishes, the loop saves a checkpoint at that
-    step boundary and stops (`stop_here`), so the same command resumes instead of starting over. A
-    second Ctrl-C stops at once, as before. One process only: a save is collective, and on a pod the
-    launcher stops the run; there the default KeyboardInterrupt stays."""
+class StopOnSignal:
+    """A notice to stop during a stage's loop: SIGTERM (a spot/preemptible TPU VM's preemption, the end
+    of a Kaggle session, the launcher's stop) or SIGINT (Ctrl-C). The step in flight finishes; at the
+    next loop top `stop_here` saves that step, waits for the write, and raises `Preempted` (exit 75)
+    for SIGTERM or KeyboardInterrupt (exit 130) for Ctrl-C, so the same command resumes having lost
+    at most the step in flight. A second signal stops at once (SIGTERM's default action, Ctrl-C's
+    KeyboardInterrupt).
 
-    def __init__(self, enabled: bool, log: Callable[[str], None]):
-        self.enabled, self.log, self.requested, self._previous = enabled, log, False, None
+    Several processes: JAX's preemption notifier owns SIGTERM (`jax.distributed.initialize`
+    installs it; it tells the other processes through the coordination service) and every process
+    asks `reached_preemption_sync_point(step)` at each loop top (a local flag until a notice comes:
+    6-8 µs a step on CPU): they stop at the same step, the one after the largest any of them had
+    reached, so none saves a step another has not trained. Ctrl-C
+    stays the default there (one terminal does not reach every host).
 
-    def __enter__(self) -> "StopOnCtrlC":
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+    `grace_s` counts from the notice (from the agreed step on several processes): when the save has
+    not landed by then, one line says so and the process exits 75 on its own, before the cloud's
+    kill (about 30 s after the notice); the previous checkpoint is then what a resume starts from.
+    `sync_point` is injectable for tests; by default JAX's."""
+
+    def __init__(self, log: Callable[[str], None], *, processes: int = 1, grace_s: float = 25.0,
+                 sync_point: Callable[[int], bool] | None = None):
+        self.log, self.processes, self.grace_s = log, processes, grace_s
+        self.requested: int | None = None  # the signal that asked to stop
+        self._sync_point, self._previous, self._timer, self._step = sync_point, {}, None, None
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers belong to the main thread (a stage run from a notebook's worker)
+        ours = (signal.SIGINT, signal.SIGTERM) if self.processes == 1 else ()
+        for sig in ours:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        if self.processes > 1 and self._sync_point is None:
+            from jax.experimental import multihost_utils
+            self._sync_point = multihost_utils.reached_preemption_sync_point
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt now
-        self.log("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)")
+        if self.requested is not None:
+            return
+        self._notice(signum)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.log(f"\n{what}: stopping after this step and saving a checkpoint "
+                 f"({what} again to stop at once; {self.grace_s:g} s to save)")
+
+    def _notice(self, signum: int) -> None:
+        """Stop requested: the next signal stops at once, and the grace clock starts."""
+        self.requested = signum
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # on several processes this replaces JAX's notifier
+        self._timer = threading.Timer(self.grace_s, self._out_of_time)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _out_of_time(self) -> None:
+        from flaxchat.errors import ExitCode
+        at = f"the save of step {self._step}" if self._step is not None else \
+            "the step in flight (with an evaluation or sampling after it, if one was due)"
+        self.log(f"{at} did not finish within the {self.grace_s:g} s grace period (--preempt-grace); exiting "
+                 "unsaved: the run resumes from its previous checkpoint.")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(ExitCode.PREEMPTED if self.requested == signal.SIGTERM else ExitCode.STOPPED)
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
 
     def stop_here(self, step: int, checkpointer, save: Callable[[int], None]) -> None:
-        """Called at the top of each iteration: when Ctrl-C was pressed, save `step` (unless it is
-        saved already or nothing was trained), wait for the write, and raise KeyboardInterrupt.
-        Also where a background save that failed (a full disk) stops the loop, as one UserError."""
+        """Called at the top of each iteration (on several processes by every process, at every step):
+        when a stop was asked for, save `step` (unless it is saved already or nothing was trained),
+        wait for the write, and raise Preempted or KeyboardInterrupt. Also where a background save
+        that failed (a full disk) stops the loop, as one UserError."""
+        from flaxchat.errors import Preempted
         checkpointer.raise_if_failed()
-        if not self.requested:
+        if self.requested is None and self._sync_point is not None and self._sync_point(step):
+            self._notice(signal.SIGTERM)
+            self.log(f"preemption notice: every process stops at step {step} and saves it")
+        if self.requested is None:
             return
+        self._step = step
         if step > 0 and checkpointer.latest_step() != step:
             save(step)
         checkpointer.close()  # the asynchronous write lands before the process ends
+        self._timer.cancel()
         self.log(f"stopped at step {step}; " + ("run the same command to resume from it." if step > 0 else
                                                 "nothing was trained yet."))
+        if self.requested == signal.SIGTERM:
+            raise Preempted(f"preempted at step {step}")
         raise KeyboardInterrupt
 
 

@@ -64,6 +64,8 @@ HELP = {
     "sample_every": "steps between sampled stories (0: none during training; the end always samples)",
     "save_every": "steps between checkpoints (0: only the last step, which is always saved)",
     "keep_checkpoints": "how many checkpoints to keep",
+    "preempt_grace": "seconds from SIGTERM (a preemption notice) to exit: the step in flight finishes and is "
+                     "saved, exit code 75; a save still going then is given up (docs/deployment.md)",
     "log_every": "steps between progress lines",
     "seed": "seed of the initialisation and the data order",
     "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
@@ -114,7 +116,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.optim import OptimConfig, Schedule, make_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
-    from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
+    from flaxchat.stage import StopOnSignal, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
@@ -308,9 +310,10 @@ def _run(tc: TrainConfig) -> dict:
     t_rate, step_rate_from, tps = None, step, None
     last_bpb = None
     step_fn = StepLoop(model, optimizer)  # model and optimizer hold its arrays after step_fn.sync()
-    with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
+    # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
+    with StopOnSignal(print0, processes=compute.process_count, grace_s=tc.preempt_grace) as notice:
         while step < steps:
-            ctrl_c.stop_here(step, checkpointer, save)
+            notice.stop_here(step, checkpointer, save)
             x, y = next_batch()
             t0 = time.time()
             loss = step_fn(x, y)

@@ -100,7 +100,7 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.rates import StepRate
     from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.stage import StopOnCtrlC
+    from flaxchat.stage import StopOnSignal
     from flaxchat.tools import calculate
     from flaxchat.train import policy_step
 
@@ -159,9 +159,10 @@ def _run(cfg: RLConfig) -> dict:
         stage.save(at, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
 
     rate = StepRate()  # the ETA's smoothed rate (flaxchat.rates): one step's time swings with its rollouts
-    with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
+    # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
+    with StopOnSignal(print0, processes=compute.process_count, grace_s=cfg.preempt_grace) as notice:
         while step < cfg.steps:
-            ctrl_c.stop_here(step, stage.checkpointer, save)
+            notice.stop_here(step, stage.checkpointer, save)
             t0 = time.time()
             inputs, targets, weights, rewards = rollout(step)
             t_gen = time.time() - t0

@@ -102,7 +102,7 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.rates import StepRate
     from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.stage import StopOnCtrlC
+    from flaxchat.stage import StopOnSignal
     from flaxchat.train import StepLoop, loss_sum
 
     t_start = time.time()
@@ -166,9 +166,10 @@ def _run(cfg: SFTConfig) -> dict:
     t_window, tokens_window, tps = time.time(), 0, None
     rate, t_rate, rate_from = StepRate(), time.time(), step  # the ETA's smoothed rate (flaxchat.rates)
     step_fn = StepLoop(model, stage.optimizer)  # model and optimizer hold its arrays after step_fn.sync()
-    with StopOnCtrlC(compute.process_count == 1, print0) as ctrl_c:  # Ctrl-C: save, then stop
+    # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
+    with StopOnSignal(print0, processes=compute.process_count, grace_s=cfg.preempt_grace) as notice:
         while step < steps:
-            ctrl_c.stop_here(step, stage.checkpointer, save)
+            notice.stop_here(step, stage.checkpointer, save)
             x, y, frac = next_batch()
             loss = step_fn(x, y)
             step += 1

@@ -67,6 +67,17 @@ if step and pid == 0:
     print(f"resumed from step {step}", flush=True)
 crash = args.get("crash-once")
 first = bool(crash) and pid == 0 and not os.path.exists(crash)  # worker 0 crashes in its first run only
+# Every worker, in its first run only: exits 75 at step 3 as a stage that saved on a notice does, or
+# stalls at step 3 in Python (as in a collective that never returns), its stacks asked for by SIGUSR1.
+preempt, stall = (args.get(k) and f"{args[k]}-{pid}" for k in ("preempt-once", "stall-once"))  # one per worker
+preempt_now = bool(preempt) and not os.path.exists(preempt)
+stall_now = bool(stall) and not os.path.exists(stall)
+if stall:
+    from flaxchat.errors import listen_for_stack_dumps
+    listen_for_stack_dumps()
+def stalled_collective():
+    while True:
+        time.sleep(1)
 progress = os.environ.get("FLAXCHAT_PROGRESS_FILE")
 stop = args.get("stop-file")  # the test says when to finish (its clock is not this one)
 while step < steps:
@@ -84,6 +95,11 @@ while step < steps:
     if first and step == 3:
         open(crash, "w").close()
         sys.exit(7)
+    if (preempt_now or stall_now) and step == 3:
+        open(preempt or stall, "w").close()
+        if preempt_now:
+            sys.exit(75)
+        stalled_collective()
     if pid == 0 and step % every == 0:  # as Orbax on GCS: the final name at once, the marker last
         fs.pipe(f"{ckpt}/{step}/w.json", json.dumps(w).encode())
         fs.pipe(f"{ckpt}/{step}/commit_success.txt", b"")
@@ -734,6 +750,36 @@ def test_recover_restarts_a_crash_with_backoff(spod, shared_pod):
     assert result.ok, text
     assert "start: the command is not running" in text and "restart: worker 0 exited 7" in text, text
     assert "recreate" not in text
+
+
+@pytest.mark.timeout(120)
+def test_recover_resumes_a_preemption_without_counting_it_as_a_failure(spod, shared_pod):
+    cmd = standin(spod.run_dir, steps=8, sleep=0.05, **{"save-every": 3, "preempt-once": shared_pod / "preempted"})
+    logs = []
+    spod.say = logs.append
+    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"),
+                          policy=rec.Policy(poll_s=0.2, backoff_s=30, max_restarts=1), timeout=90)
+    text = "\n".join(logs)
+    assert result.ok and "restart 1 of" not in text, text  # no crash budget spent, no 30 s backoff
+    assert "exited 75 (preempted, its step saved): resume now, not counted against --max-restarts" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_recover_writes_a_stalled_runs_stacks_before_it_restarts_it(spod, shared_pod):
+    cmd = standin(spod.run_dir, steps=8, sleep=0.05, **{"save-every": 3, "stall-once": shared_pod / "stalled"})
+    logs = []
+    spod.say = logs.append
+    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"),
+                          policy=rec.Policy(poll_s=0.5, backoff_s=0.1, heartbeat_deadline_s=4), timeout=90)
+    text = "\n".join(logs)
+    assert result.ok, text
+    said = [x for x in logs if "hung in the step after 3: its Python stacks are in" in x]
+    assert len(said) == 2, text  # both workers, before the one restart
+    assert text.index("hung in the step after 3") < text.index("done:")
+    for w in range(2):
+        run_state = os.path.join(worker_home(w, "shared"), ".flaxchat", "run")
+        hang = sorted(f for f in os.listdir(run_state) if f.startswith("hang-"))
+        assert hang and "in stalled_collective" in open(os.path.join(run_state, hang[-1])).read()
 
 
 class FakeTime:

@@ -104,7 +104,7 @@ def test_a_step_that_stops_moving_past_the_deadline_is_hung():
     c = next_counters(c, obs(alive(9), alive(5), now=300.0), Decision(Action.WATCH, ""))
     assert act(obs(alive(12), alive(5), now=599.0), c).action is Action.WATCH
     d = act(obs(alive(14), alive(5), now=601.0), c)
-    assert d.action is Action.RESTART and "hung" in d.reason and "[1]" in d.reason
+    assert d.action is Action.RESTART and "hung" in d.reason and "[1]" in d.reason and d.hung
     # The worker's own clock (progress_age) does not decide: a skewed VM clock is harmless.
     assert act(obs(alive(14, age=10_000), alive(6, age=10_000), now=601.0), c).action is Action.WATCH
 
@@ -129,6 +129,10 @@ def test_two_simulated_hours_where_only_process_0_prints_then_one_hang_is_one_re
         def start(self):
             raise AssertionError("already running")
 
+        def dump_stacks(self):  # the hung run is still there when its stacks are asked for
+            assert state["run"] == "r1"
+            state["dumps"] = state.get("dumps", 0) + 1
+
         def restart(self):
             state["restarts"] += 1
             state["run"] = "r2"
@@ -137,7 +141,7 @@ def test_two_simulated_hours_where_only_process_0_prints_then_one_hang_is_one_re
             raise AssertionError("nothing to recreate")
     policy = Policy(poll_s=60, heartbeat_deadline_s=1800, backoff_s=30)
     d = recover_loop(observe, Pod(), policy, clock=clock, sleep=clock.sleep, log=logs.append)
-    assert d.action is Action.DONE and state["restarts"] == 1, logs
+    assert d.action is Action.DONE and state["restarts"] == 1 and state["dumps"] == 1, logs
     restart = [x for x in logs if "restart:" in x]
     assert len(restart) == 1 and "worker(s) [1] alive but no training step for over 1800 s" in restart[0]
     assert float(restart[0].split("+")[1].split("s]")[0]) >= 2 * 3600 + 1800  # not before 2 h + the deadline
@@ -205,6 +209,9 @@ class FakePod:
     def restart(self):
         self._act("restart")
 
+    def dump_stacks(self):
+        self._act("dump_stacks")
+
     def recreate(self):
         self._act("recreate")
 
@@ -246,11 +253,40 @@ def test_loop_logs_a_failed_action_and_retries_it():
 
 
 def test_loop_gives_up_after_bounded_restarts():
-    pod = FakePod([obs(alive(), exited(2))])
+    pod = FakePod([obs(alive(), exited(1))])
     clock = FakeClock()
     d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
     assert d.action is Action.GIVE_UP and "restarted 3 times" in d.reason
     assert pod.calls == ["restart"] * 3
+
+
+def test_a_user_error_is_not_retried():
+    pod = FakePod([obs(alive(), exited(2))])
+    clock = FakeClock()
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert d.action is Action.GIVE_UP and "worker 1 exited 2" in d.reason and "user error" in d.reason
+    assert pod.calls == []
+
+
+@pytest.mark.parametrize("code", [75, 143])  # saved on the notice; SIGTERM before the loop
+def test_a_preemption_resumes_at_once_without_counting_against_max_restarts(code):
+    c = Counters(restarts=P.max_restarts, progress_step=5)  # the crash budget is spent: a preemption still resumes
+    d = act(obs(exited(code), exited(code)), c)
+    assert d.action is Action.RESTART and d.delay == 0 and not d.counted and "preempted" in d.reason
+    after = next_counters(c, obs(exited(code), exited(code)), d)
+    assert (after.restarts, after.preemptions) == (P.max_restarts, 1)
+    # Mixed with a crash, it is a crash.
+    assert act(obs(exited(code), exited(1)), Counters()).counted
+
+
+def test_preemptions_with_progress_go_on_for_ever_and_without_it_give_up():
+    steps = iter(range(10, 1000, 10))
+    pod = FakePod([obs(exited(75, s), exited(75, s)) for s in [next(steps) for _ in range(20)]]
+                  + [obs(exited(75, 500), exited(75, 500))])  # the last one repeats: no progress
+    clock = FakeClock()
+    d = recover_loop(pod.observe, pod, P, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert d.action is Action.GIVE_UP and f"preempted {P.max_recreates} times without progress" in d.reason
+    assert pod.calls == ["restart"] * (20 + P.max_recreates)  # 20 with progress, then the bounded ones
 
 
 def test_loop_gives_up_on_a_command_that_exits_at_once_every_time_it_is_started():
@@ -296,3 +332,15 @@ def test_health_names_a_worker_without_progress_and_one_that_does_not_answer():
                {"worker": 2, "reachable": False}]
     assert health_problems("READY", workers, 1800.0) == [
         "worker 1 has finished no training step for 35m (hung?)", "worker 2 does not answer ssh"]
+
+
+def test_health_calls_a_preemption_by_its_name_and_names_the_last_hangs_stacks():
+    from flaxchat.cloud.recovery import format_health, health_problems
+    workers = [{"worker": 0, "state": "exited", "exit_code": 75, "hang_file": "/h/.flaxchat/run/hang-1.txt"},
+               {"worker": 1, "state": "exited", "exit_code": 1, "last_line": "Traceback"}]
+    problems = health_problems("READY", workers, 1800.0)
+    assert problems == ["worker 0 was preempted (exit 75): its step was saved; resume it",
+                        "worker 1 crashed (exit 1): Traceback"]
+    text = format_health({"vm": "v", "accelerator": "v4-8", "zone": "z", "state": "READY", "workers": workers,
+                          "problems": problems})
+    assert "stacks of worker 0's last hang: /h/.flaxchat/run/hang-1.txt (on the worker)" in text

@@ -130,7 +130,7 @@ def test_stop_on_ctrl_c_as_sft_and_rl_use_it():
     """The helper all three loops use: the first Ctrl-C only asks; the loop's next boundary saves that
     step (not one already saved, not step 0) and raises; a second Ctrl-C interrupts at once; the
     previous handler comes back. Disabled (several processes), the process's own handler is left alone."""
-    from flaxchat.stage import StopOnCtrlC
+    from flaxchat.stage import StopOnSignal
 
     class Checkpoints:  # what stop_here reads of a Checkpointer
         def __init__(self, latest):
@@ -147,7 +147,7 @@ def test_stop_on_ctrl_c_as_sft_and_rl_use_it():
 
     before = signal.getsignal(signal.SIGINT)
     saved, said = [], []
-    with StopOnCtrlC(True, said.append) as stop:
+    with StopOnSignal(said.append) as stop:
         stop.stop_here(3, Checkpoints(None), saved.append)  # nothing asked: goes on
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
@@ -165,7 +165,7 @@ def test_stop_on_ctrl_c_as_sft_and_rl_use_it():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is before
-    with StopOnCtrlC(False, said.append):
+    with StopOnSignal(said.append, processes=2, sync_point=lambda step: False):
         assert signal.getsignal(signal.SIGINT) is before  # disabled: whatever handled Ctrl-C still does
 
 

@@ -203,6 +203,10 @@ def stop_command() -> str:
     return _worker_py("stop")
 
 
+def dump_stacks_command() -> str:
+    return _worker_py("dump")
+
+
 def logs_command(follow: bool = False, lines: int = 50, prefix: bool = False) -> str:
     return _worker_py("logs", "--lines", str(lines), *(["--follow"] if follow else []),
                       *(["--prefix"] if prefix else []))

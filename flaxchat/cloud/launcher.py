@@ -541,6 +541,14 @@ class TPULauncher(RemoteRunner):
         self._ssh(g.stop_command(), check=False, timeout=300)
         self.say(f"stopped the run on TPU VM {self.config.tpu_name}")
 
+    def dump_stacks(self) -> None:
+        """Every worker's stage processes write their Python stacks (worker.py dump) into
+        hang-<time>.txt on the worker and, when the run folder is on the worker's disk, into it."""
+        self._ready_node()
+        res = self._ssh(g.dump_stacks_command(), check=False, timeout=300)
+        for i, w in sorted(g.parse_worker_lines(res.stdout).items()):
+            self.say(f"worker {i} hung in {w.get('where')}: its Python stacks are in {w.get('stacks')}")
+
     def health(self, marker: str | None = None) -> dict:
         """VM state and, per worker: process, exit code, step/loss/tok/s and the age of its last step (its
         progress file), disk, last line. `marker`: the completion marker to look for (default: the last run's)."""
@@ -714,7 +722,8 @@ class TPULauncher(RemoteRunner):
             start()
 
         actions = type("RecoveryActions", (), {"start": staticmethod(start), "restart": staticmethod(restart),
-                                               "recreate": staticmethod(recreate)})()
+                                               "recreate": staticmethod(recreate),
+                                               "dump_stacks": staticmethod(self.dump_stacks)})()
         marker = marker_of(run_dir)
         decision = rec.recover_loop(lambda: self.observe(current["run_id"], marker, clock()), actions,
                                     policy, clock=clock, sleep=sleep, log=self.say, timeout=timeout)

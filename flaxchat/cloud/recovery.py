@@ -10,9 +10,14 @@ test runs hours of polling in milliseconds).
     completion marker present .............. DONE
     no worker runs this command yet ........ START
     a worker crashed / exited 0 unfinished . RESTART, exponential backoff, bounded
+    every stopped worker exited 75 .......... RESTART at once, not counted against max_restarts: the
+      (preempted; 143: SIGTERM before the     stage saved its step on the notice (its own budget,
+      loop)                                   max_recreates without progress, ends a loop of them)
+    a worker exited 2 (a user error) ....... GIVE_UP: running it again fails the same way
     a worker alive, its step unchanged ..... RESTART (hung): the step comes from the progress file
       for heartbeat_deadline_s                every process writes, never from printed lines (only
-                                              process 0 prints on a pod)
+                                              process 0 prints on a pod); every worker's Python
+                                              stacks are written first (worker.py dump: hang-*.txt)
     a worker does not answer ssh ........... WAIT, with backoff, and say so: ssh trouble (a key,
                                               OS Login, IAP, a slow sshd) is no evidence that the VM
                                               is gone, and deleting a READY pod kills a healthy run
@@ -35,12 +40,17 @@ import enum
 import time
 from typing import Callable, Protocol, Sequence
 
+from flaxchat.errors import ExitCode
 from flaxchat.remote.base import RemoteError
 
 GONE_STATES = frozenset({"PREEMPTED", "TERMINATED"})
 QR_GONE_STATES = frozenset({"FAILED", "SUSPENDED", "SUSPENDING"})
 # Google's node `health` values that say the host itself is broken (not just our ssh to it).
 BAD_HEALTH = frozenset({"UNHEALTHY_MAINTENANCE", "TIMEOUT", "UNHEALTHY_TENSORFLOW"})
+# What a stage that was preempted exits with (flaxchat.errors.ExitCode, docs/deployment.md): 75 when
+# it saved its step on the notice; 143 (128 + SIGTERM, as the worker reports a signal) when the
+# notice came before its loop, where nothing had been trained since its checkpoint.
+PREEMPTED_EXITS = frozenset({int(ExitCode.PREEMPTED), 128 + 15})
 WAIT_STATES = frozenset({"CREATING", "REPAIRING", "RESTARTING", "STARTING", "STOPPING", "DELETING", "UNKNOWN",
                          "STATE_UNSPECIFIED"})
 
@@ -83,6 +93,7 @@ class Observation:
 class Counters:
     restarts: int = 0  # since the last progress
     recreates: int = 0  # since the last progress
+    preemptions: int = 0  # restarts after an exit 75, since the last progress (not against max_restarts)
     unreachable_polls: int = 0  # consecutive polls with a worker that did not answer
     progress_step: int | None = None  # the furthest step seen
     # Per worker: (run id, last step seen, when that step was first seen): a worker whose step has
@@ -109,6 +120,8 @@ class Decision:
     action: Action
     reason: str
     delay: float = 0.0  # seconds to wait before acting (restart backoff)
+    counted: bool = True  # a RESTART that counts against max_restarts (a preemption's does not)
+    hung: bool = False  # a RESTART of a hung run: its stacks are written before it is killed
 
 
 def _backoff(policy: Policy, restarts: int) -> float:
@@ -161,14 +174,23 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
     if crashed:
         what = ", ".join(f"worker {i} " + ("never started" if foreign(w) else "was killed" if w.state == "killed"
                                            else f"exited {w.exit_code}") for i, w in crashed)
+        if any(w.state == "exited" and w.exit_code == ExitCode.USER_ERROR for _, w in crashed):
+            return Decision(Action.GIVE_UP, f"{what}: exit 2 is a user error (its last line says which), and "
+                                            "running the same command again fails the same way")
+        if all(w.state == "exited" and w.exit_code in PREEMPTED_EXITS for _, w in crashed):
+            if counters.preemptions >= policy.max_recreates:
+                return Decision(Action.GIVE_UP, f"{what}: preempted {counters.preemptions} times without progress")
+            return Decision(Action.RESTART, f"{what} (preempted, its step saved): resume now, not counted against "
+                                            "--max-restarts", counted=False)
         return _restart(what, counters, policy)
     if finished:
         if not obs.expects_marker:
             return Decision(Action.DONE, "every worker exited 0")
         return _restart("every worker exited 0 but the completion marker is missing", counters, policy)
     if hung:
-        return _restart(f"worker(s) {hung} alive but no training step for over {policy.heartbeat_deadline_s:.0f} s "
-                        "(hung)", counters, policy)
+        d = _restart(f"worker(s) {hung} alive but no training step for over {policy.heartbeat_deadline_s:.0f} s "
+                     "(hung)", counters, policy)
+        return dataclasses.replace(d, hung=d.action is Action.RESTART)
     return Decision(Action.WATCH, "the VM is READY and the workers are running")
 
 
@@ -194,14 +216,16 @@ def next_counters(counters: Counters, obs: Observation, decision: Decision) -> C
     best = max(steps) if steps else None
     c = counters
     if best is not None and (c.progress_step is None or best > c.progress_step):
-        c = dataclasses.replace(c, restarts=0, recreates=0, progress_step=best)
+        c = dataclasses.replace(c, restarts=0, recreates=0, preemptions=0, progress_step=best)
     unreachable = any(not w.reachable for w in obs.workers) and obs.vm_state == "READY"
     c = dataclasses.replace(c, unreachable_polls=c.unreachable_polls + 1 if unreachable else 0)
     if obs.workers and not unreachable:
         c = dataclasses.replace(c, steps_seen=tuple((w.run_id, w.step, _since(counters, i, w, obs.now))
                                                     for i, w in enumerate(obs.workers)))
-    if decision.action is Action.RESTART:
+    if decision.action is Action.RESTART and decision.counted:
         c = dataclasses.replace(c, restarts=c.restarts + 1)
+    elif decision.action is Action.RESTART:
+        c = dataclasses.replace(c, preemptions=c.preemptions + 1)
     elif decision.action is Action.RECREATE:
         c = dataclasses.replace(c, recreates=c.recreates + 1, unreachable_polls=0)
     if decision.action in (Action.RESTART, Action.RECREATE, Action.START):
@@ -210,6 +234,7 @@ def next_counters(counters: Counters, obs: Observation, decision: Decision) -> C
 
 
 class Actions(Protocol):
+    def dump_stacks(self) -> None: ...  # every worker's Python stacks into hang-<time>.txt
     def start(self) -> None: ...
     def restart(self) -> None: ...
     def recreate(self) -> None: ...
@@ -247,6 +272,8 @@ def recover_loop(observe: Callable[[], Observation], actions: Actions, policy: P
             return decision
         try:
             if decision.action is Action.RESTART:
+                if decision.hung:  # before the kill: where it was stuck
+                    actions.dump_stacks()
                 sleep(decision.delay)
                 actions.restart()
             elif decision.action is Action.RECREATE:
@@ -287,6 +314,9 @@ def format_health(report: dict) -> str:
                      f"{_age(w.get('progress_age')):<11}{str(w.get('disk_used_pct', '-')) + '%':<7}"
                      f"{(w.get('last_line') or '')[:80]}")
     lines += [f"problem: {p}" for p in report["problems"]]
+    # Not a problem of the run going now (a restart followed), but where the last hang was stuck.
+    lines += [f"stacks of worker {w['worker']}'s last hang: {w['hang_file']} (on the worker)"
+              for w in report["workers"] if w.get("hang_file")]
     return "\n".join(lines)
 
 
@@ -296,6 +326,8 @@ def health_problems(state: str, workers: list[dict], deadline_s: float) -> list[
         i = w["worker"]
         if not w.get("reachable", True):
             problems.append(f"worker {i} does not answer ssh")
+        elif w["state"] == "exited" and w["exit_code"] in PREEMPTED_EXITS:
+            problems.append(f"worker {i} was preempted (exit {w['exit_code']}): its step was saved; resume it")
         elif w["state"] == "exited" and w["exit_code"] != 0:
             problems.append(f"worker {i} crashed (exit {w['exit_code']}): {w.get('last_line', '')}")
         elif w["state"] == "killed":

@@ -4,6 +4,7 @@
     python3 flaxchat/cloud/worker.py status [--marker PATH]      # one JSON line
     python3 flaxchat/cloud/worker.py logs [--follow] [--prefix] [--lines N]
     python3 flaxchat/cloud/worker.py stop
+    python3 flaxchat/cloud/worker.py dump                        # every thread's Python stack: hang-<time>.txt
     python3 flaxchat/cloud/worker.py probe --env-file F --cwd DIR   # JAX devices, one JSON line
     python3 flaxchat/cloud/worker.py checkpoints --dir D --cwd DIR  # complete / partial Orbax steps
     VENV/bin/python flaxchat/cloud/worker.py versions             # Python, jax, flaxchat of that venv
@@ -22,6 +23,10 @@ the command in its own process group, and writes into the state folder (default 
                    a process alive whose step stops moving is hung; printed lines are never parsed.
     exit_code      written when the command ends (state "exiting" until then, while its supervisor
                    is alive); absent after a SIGKILL (preemption, OOM killer)
+    stacks-PID.txt where a flaxchat stage (errors.cli_main, FLAXCHAT_STACKS_DIR) writes every thread's
+                   Python stack on SIGUSR1; `dump` signals it and gathers what it wrote into
+    hang-TIME.txt  (also copied into the stage's run folder when that is on this disk), named by
+                   `status` and `--health`: where a stalled step or distributed start was stuck
 
 Before a new run, whatever still holds the TPU (a leftover probe, an older run: any process with
 /dev/accel* or /dev/vfio/* open) is killed, then libtpu's lockfile is removed (as maxtext's runner
@@ -35,6 +40,7 @@ import functools
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -50,6 +56,8 @@ TPU_DEVICES = "/dev/accel*:/dev/vfio/*"  # v4/v5p expose /dev/accelN, v5e/v6e /d
 DEVICES_ENV = "FLAXCHAT_TPU_DEVICES"  # another list (a rehearsal's stand-in device files)
 PROGRESS_ENV = "FLAXCHAT_PROGRESS_FILE"  # flaxchat.progress.ENV (this file imports nothing of flaxchat)
 PROGRESS_SCHEMA = 1
+STACKS_ENV = "FLAXCHAT_STACKS_DIR"  # flaxchat.errors.STACKS_ENV
+STACKS_WAIT_S = 5.0  # how long `dump` waits for a signalled process to write its stacks
 STARTUP_GRACE_S = 10.0  # a supervisor that has not started its child by then is gone
 OUTPUT_DRAIN_S = 10.0  # after the command exits, how long its output pipe may stay open (a leftover child holds it)
 METADATA_WORKER_URL = ("http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
@@ -191,6 +199,8 @@ def start(state_dir: str, run_id: str, command: str, env_file: str = "", cwd: st
     for key in ("exit", "progress"):
         if os.path.exists(p[key]):
             os.remove(p[key])
+    for old in glob.glob(os.path.join(p["dir"], "stacks-*.txt")):  # the last run's listeners
+        os.remove(old)
     with open(p["log"], "a") as f:
         f.write(f"=== flaxchat run {run_id} started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         if freed:
@@ -219,7 +229,7 @@ def supervise(state_dir: str) -> int:
     redact = make_redactor([env_vars.get(k, "") for k in secret_keys])
     wid = worker_id()
     env = {**os.environ, **env_vars, "FLAXCHAT_WORKER_ID": str(wid), "JAX_PROCESS_ID": str(wid),
-           "PYTHONUNBUFFERED": "1", PROGRESS_ENV: p["progress"]}
+           "PYTHONUNBUFFERED": "1", PROGRESS_ENV: p["progress"], STACKS_ENV: p["dir"]}
     if "JAX_COORDINATOR_ADDRESS" not in env_vars:
         env.pop("JAX_PROCESS_ID")
     if run.get("venv"):  # what `source venv/bin/activate` does: `python` is the venv's
@@ -250,7 +260,12 @@ def supervise(state_dir: str) -> int:
     return code  # the log is left open: a pump still draining a leftover's output writes to it until exit
 
 
-def stop(state_dir: str, grace: float = 10.0) -> dict:
+# SIGTERM first, then this long before SIGKILL: a flaxchat stage saves the step in flight on SIGTERM
+# and exits 75 within its --preempt-grace (25 s), as it would on a cloud's preemption notice.
+STOP_GRACE_S = 30.0
+
+
+def stop(state_dir: str, grace: float = STOP_GRACE_S) -> dict:
     run = _read_json(_paths(state_dir)["run"]) or {}
     pid = run.get("child_pid")
     if not _pid_alive(pid):
@@ -274,6 +289,70 @@ def stop(state_dir: str, grace: float = 10.0) -> dict:
            and _supervising(run.get("supervisor_pid"))):
         time.sleep(0.05)
     return {"worker": worker_id(), "stopped": True, "pid": pid}
+
+
+def where_stuck(stacks: str, step) -> str:
+    """What a hang's stacks say it was doing: joining the job (jax.distributed.initialize, waiting
+    for the coordinator or another process), starting up (before its first step: data, compile), or
+    a training step."""
+    if re.search(r'jax/_src/distributed\.py", line \d+ in initialize', stacks):
+        return "the distributed start (jax.distributed.initialize)"
+    return "start-up, before the first step" if step is None else f"the step after {step}"
+
+
+def dump_stacks(state_dir: str, wait_s: float = STACKS_WAIT_S) -> dict:
+    """Ask every stage process of the run for its Python stacks (SIGUSR1 to those listening) and
+    write them, with where they were stuck, into hang-<time>.txt in the state folder (and into the
+    stage's run folder when it is local). Before a hung run is killed: the stacks say where."""
+    p = _paths(state_dir)
+    run = _read_json(p["run"]) or {}
+    progress = read_progress(p["progress"]) or {}
+    listening = {}
+    for path in glob.glob(os.path.join(p["dir"], "stacks-*.txt")):
+        pid = int(os.path.basename(path)[len("stacks-"):-len(".txt")])
+        if _pid_alive(pid) and _in_group(pid, run.get("child_pid")):  # never a reused pid
+            listening[pid] = (path, os.path.getsize(path))
+            os.kill(pid, signal.SIGUSR1)
+    deadline = time.time() + wait_s
+    while time.time() < deadline and any(os.path.getsize(path) == size for path, size in listening.values()):
+        time.sleep(0.1)
+    time.sleep(0.2)  # faulthandler writes a dump in one go from its signal handler: let the last one end
+    texts = {}
+    for pid, (path, size) in listening.items():
+        with open(path, errors="replace") as f:
+            f.seek(size)
+            texts[pid] = f.read()
+    stacks = "\n".join(f"--- process {pid} ---\n{t}" for pid, t in sorted(texts.items()) if t)
+    where = where_stuck(stacks, progress.get("step"))
+    when = time.strftime("%Y%m%d-%H%M%S")
+    text = (f"flaxchat: run {run.get('run_id')} on worker {worker_id()} hung in {where}; last finished step "
+            f"{progress.get('step')}; stacks taken {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n"
+            + (stacks or "no process answered (none listening: not a flaxchat stage, or stuck outside Python)\n"))
+    out = os.path.join(p["dir"], f"hang-{when}.txt")
+    with open(out, "w") as f:
+        f.write(text)
+    copied = None
+    run_dir = progress.get("run_dir") or ""
+    if run_dir and "://" not in run_dir:
+        run_dir = os.path.join(run.get("cwd", "."), os.path.expanduser(run_dir))
+        if os.path.isdir(run_dir):
+            copied = os.path.join(run_dir, f"hang-{when}-w{worker_id()}.txt")
+            shutil.copyfile(out, copied)
+    return {"worker": worker_id(), "stacks": out, "copied_to": copied, "where": where,
+            "processes": sorted(pid for pid, t in texts.items() if t)}
+
+
+def _in_group(pid: int, leader) -> bool:
+    try:
+        return leader is not None and os.getpgid(pid) == int(leader)
+    except OSError:
+        return False
+
+
+def last_hang(state_dir: str):
+    """The newest hang-<time>.txt of this state folder (a path), or None."""
+    found = sorted(glob.glob(os.path.join(_paths(state_dir)["dir"], "hang-*.txt")))
+    return found[-1] if found else None
 
 
 # --- status / logs ---------------------------------------------------------------------------
@@ -354,7 +433,7 @@ def status(state_dir: str, marker: str = "") -> dict:
             "tok_s": progress.get("tok_s"), "stage": progress.get("stage"),
             "progress_age": max(0.0, now - since) if since else None,
             "disk_used_pct": round(100.0 * disk.used / disk.total, 1), "disk_free_gb": round(disk.free / 1e9, 1),
-            "marker": marker or None, "complete": marker_exists(marker, cwd)}
+            "marker": marker or None, "complete": marker_exists(marker, cwd), "hang_file": last_hang(state_dir)}
 
 
 def logs(state_dir: str, lines: int = 50, follow: bool = False, prefix: bool = False, poll: float = 0.25) -> None:
@@ -436,7 +515,7 @@ def checkpoints(directory: str, cwd: str = ".") -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="worker.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("verb", choices=["start", "_supervise", "status", "stop", "logs", "probe", "checkpoints",
+    ap.add_argument("verb", choices=["start", "_supervise", "status", "stop", "dump", "logs", "probe", "checkpoints",
                                      "versions"])
     ap.add_argument("--dir", default="", help="checkpoints: the checkpoint folder")
     ap.add_argument("--state-dir", default=os.environ.get("FLAXCHAT_WORKER_STATE", DEFAULT_STATE))
@@ -466,6 +545,8 @@ def main(argv=None) -> int:
         out = status(args.state_dir, args.marker)
     elif args.verb == "stop":
         out = stop(args.state_dir)
+    elif args.verb == "dump":
+        out = dump_stacks(args.state_dir)
     elif args.verb == "probe":
         out = probe(args.env_file, args.cwd)
     elif args.verb == "versions":
