@@ -128,3 +128,16 @@ def test_recovery_promises_a_checkpoint_only_as_the_run_folder_has_one_and_a_fir
     assert first.action is rec.Action.WAIT and "ssh key" not in first.reason and "preemption" in first.reason
     lasting = rec.decide(gone, rec.Counters(unreachable_polls=2), rec.Policy())
     assert "check your ssh key, OS Login or firewall" in lasting.reason, lasting.reason
+
+
+def test_export_has_a_place_of_its_own_and_one_install_hint():
+    from flaxchat.export.tflite import INSTALL_HINT
+    venv = "python -m venv ~/.venvs/flaxchat-export"
+    assert venv in INSTALL_HINT and 'pip install -e ".[export]"' in INSTALL_HINT
+    for name in ("scripts/convert_to_tflite.py", "docs/export.md"):
+        assert venv in " ".join(open(os.path.join(ROOT, name)).read().split()), name
+    if subprocess.run(["git", "-C", ROOT, "rev-parse"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    for path in (".venv-export/lib/certifi/cacert.pem", "exports/model.pkl", "runs/tinystories/COMPLETE"):
+        ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", "--no-index", path], timeout=30)
+        assert ignored.returncode == 0, f"{path} is not ignored by .gitignore"
