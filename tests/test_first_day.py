@@ -141,3 +141,19 @@ def test_export_has_a_place_of_its_own_and_one_install_hint():
     for path in (".venv-export/lib/certifi/cacert.pem", "exports/model.pkl", "runs/tinystories/COMPLETE"):
         ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", "--no-index", path], timeout=30)
         assert ignored.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_save_cut_short_in_a_bucket_is_said_and_the_run_starts_at_step_0(tmp_path):
+    """As the rehearsal's pod left it when preempted mid-save: step 20 under its final name with no
+    commit_success.txt (Orbax on GCS). The stage says what it found and that it starts at step 0."""
+    from test_run_folder import TINY as GS_TINY
+    from test_run_folder import Gcs, _half_written
+    gcs = Gcs(tmp_path)
+    _half_written(gcs, "gs://bk/d2", 20)
+    p = gcs.run("scripts.pretrain", "--run-dir=gs://bk/d2", "--steps=1", *GS_TINY)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next((x for x in p.stdout.splitlines() if "no intact step" in x), p.stdout[-2000:])
+    assert line == "pretrain: gs://bk/d2/checkpoints holds no intact step, only 20 (a save cut short); starting at " \
+                   "step 0", line
