@@ -219,7 +219,8 @@ def _run(tc: TrainConfig) -> dict:
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
                           ns_dtype=ns_dtype, batch_lr_scale=rule.batch_lr_scale if scale_lrs else 1.0)
-    print0(f"recipe: {lr_rule_text(tc.lr_batch_scaling, tc.total_batch_size, scale_lrs, total, rule.batch_lr_scale, passes)}; "
+    lr_rule = lr_rule_text(tc.lr_batch_scaling, tc.total_batch_size, scale_lrs, total, rule.batch_lr_scale, passes)
+    print0(f"recipe: {lr_rule}; "
            f"Muon weight decay {rule.weight_decay:.4f}, Polar Express in {ns_dtype}; "
            f"{steps * total / n_scaling:.1f} tokens per scaling parameter")
     layout = sharding.choose(tc.sharding, 4 * n_params, 2.0, sharding.device_memory_bytes())

@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Flags that would otherwise be ignored, or fail only once the kernel is reached: one sentence here.
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout must be a positive number of seconds (got {args.timeout:g}).")
-    for flag, needs in (("restart", "stop"), ("shutdown", "stop"), ("no_deps", "setup"), ("untracked", "setup"), ("verbose", "setup"),
+    for flag, needs in (("restart", "stop"), ("shutdown", "stop"), ("no_deps", "setup"), ("untracked", "setup"),
+                        ("verbose", "setup"),
                         ("run_dir", "pipeline"), ("gcs_key", "pipeline"), ("name", "pipeline"), ("resume", "pipeline"),
                         ("flag", "pipeline")):
         if getattr(args, flag) and getattr(args, needs) in (None, False):

@@ -426,8 +426,9 @@ class KaggleRunner(RemoteRunner):
         self.rest.upload(tar_rel, data, chunk_size=chunk_size)
         info = self._call(_K_SETUP, "setup", timeout=timeout, on_output=out, root=root, tar=tar_rel,
                           sha256=hashlib.sha256(data).hexdigest(), src=f"{self.workdir}/src", install=install,
-                          deps=deps, pip_args=[*([] if verbose else ["-q"]), *pip_args], marker=marker_rel, want=want, offline=offline,
-                          kernel_side=bins["kernel_side"], report=f"{self.workdir}/setup-report.json")
+                          deps=deps, pip_args=[*([] if verbose else ["-q"]), *pip_args], marker=marker_rel,
+                          want=want, offline=offline, kernel_side=bins["kernel_side"],
+                          report=f"{self.workdir}/setup-report.json")
         kept = ", ".join(f"{n} {v}" for n, v in info["kept"].items()) or "nothing (no jax there yet)"
         out("stdout", f"[flaxchat] setup: kept {kept}; installed {', '.join(info['installed']) or 'nothing'}"
             + (f"; MISSING {', '.join(info['missing'])}: {info['hint']}" if info["missing"] else "")
