@@ -157,3 +157,11 @@ def test_a_save_cut_short_in_a_bucket_is_said_and_the_run_starts_at_step_0(tmp_p
     line = next((x for x in p.stdout.splitlines() if "no intact step" in x), p.stdout[-2000:])
     assert line == "pretrain: gs://bk/d2/checkpoints holds no intact step, only 20 (a save cut short); starting at " \
                    "step 0", line
+
+
+def test_a_retimed_mfu_peak_is_said_with_where_metrics_record_it():
+    from flaxchat.rates import Peak
+    said = []
+    peak = Peak(probe=lambda: 149e9, log=said.append, first=46e9)
+    assert peak.mfu(59e9) == pytest.approx(100 * 59 / 149)
+    assert len(said) == 1 and "re-timed" in said[0] and "peak_flops" in said[0], said
