@@ -7,7 +7,8 @@ held the cores is too low: the main job printed `mfu 101.5%` and a pod rehearsal
 processes on one 2-core machine) `mfu 347.2%` against one reading taken at the start. `Peak` keeps
 the best of the run's readings instead: when a step's rate passes it, the matmul is timed again,
 and a step that still passes it is itself the best rate this machine was measured at. So a printed
-MFU is never above 100%.
+MFU is never above 100%. A change of the peak is never silent: the log says so, and each train line
+of metrics.jsonl records the `peak_flops` its MFU was counted against (scripts/pretrain.py).
 
 The ETA divides the steps left by a smoothed step rate (`StepRate`), wall time included: the rate
 of the last 25 steps alone swung the main job's ETA 12m24s -> 4m55s -> 10m31s on a shared 2-core
@@ -47,7 +48,8 @@ class Peak:
             if self.log:
                 self.log(f"mfu: a step ran at {flops_per_s / 1e9:,.0f} GFLOP/s, above the measured matmul peak of "
                          f"{before / 1e9:,.0f}; re-timed, the peak is now the best rate of this run, "
-                         f"{self.flops / 1e9:,.0f} GFLOP/s (a busy machine reads a low peak)")
+                         f"{self.flops / 1e9:,.0f} GFLOP/s (a busy machine reads a low peak); MFU from here is "
+                         "against it, and each line of metrics.jsonl records its peak_flops")
         return 100.0 * flops_per_s / self.flops
 
 

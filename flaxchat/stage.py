@@ -150,15 +150,38 @@ def open_checkpoints(run_dir: str, *, fresh: bool, keep: int, is_main: bool, log
         if moved:
             log(f"--fresh: moved the existing checkpoints to {moved}")
     barrier(f"{name}-fresh")
+    found = paths.listdirs(ckpt_dir)  # before opening: the owner's opening removes a cut-short save
     checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
     step = meta = None
     if checkpointer.all_steps():
         # A damaged latest step (checksums) is moved aside by process 0 and the newest intact one
         # resumed; every process checks, so all of them agree on the step.
         step, meta = checkpointer.newest_intact(log=log, move_damaged=is_main)
+    elif not fresh:
+        started = starting_over(run_dir, found)
+        if started:
+            log(f"{name}: {started}")
     barrier(f"{name}-intact")
     checkpointer.reload()
     return checkpointer, step, meta
+
+
+def starting_over(run_dir: str, found: list[str]) -> str | None:
+    """The line a stage prints when `run_dir` shows an earlier run but no intact step to resume
+    (`found`: the folder names in its checkpoints folder before it was opened): a save cut short
+    (Orbax's `<step>.orbax-checkpoint-tmp*` on a disk, a `<step>` without `commit_success.txt` on a
+    bucket), or metrics logged before the first save. None for a new run folder."""
+    from flaxchat import paths
+    run = paths.RunFolder(run_dir)
+    cut = [n for n in found if n.split(".", 1)[0].isdigit()]
+    if cut:
+        what = f"{run.checkpoints} holds no intact step, only {', '.join(cut)} (a save cut short)"
+    elif paths.exists(run.metrics):
+        what = f"{run.metrics} shows an earlier run, but it saved no checkpoint"
+    else:
+        return None
+    kept = f" (the earlier run's lines stay in {run.METRICS})" if cut and paths.exists(run.metrics) else ""
+    return f"{what}; starting at step 0{kept}"
 
 
 def finish(run_dir: str, is_main: bool, checkpointer, progress, step: int, summary: dict,
@@ -173,3 +196,21 @@ def finish(run_dir: str, is_main: bool, checkpointer, progress, step: int, summa
             report()
         write_json(paths.RunFolder(run_dir).complete, summary)
     return summary
+
+
+def already_complete(run_dir: str, step: int | None, steps: int) -> dict | None:
+    """The record of a finished run (its `COMPLETE`, as `finish` wrote it) when this stage would
+    resume at its last step with nothing left to train: then the stage says so and writes nothing,
+    so a rerun keeps the report, plot and samples of the run that trained. None otherwise (a larger
+    --steps trains further; a run killed after its last save but before `COMPLETE` finishes its record)."""
+    import json
+
+    from flaxchat import paths
+    marker = paths.RunFolder(run_dir).complete
+    if step is None or step < steps or not paths.exists(marker):
+        return None
+    try:
+        record = json.loads(paths.read_text(marker))
+    except (OSError, ValueError):
+        return None  # a marker that does not read: finish the record again
+    return record if isinstance(record, dict) and record.get("step") == step else None

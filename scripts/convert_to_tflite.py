@@ -9,7 +9,9 @@ bucket only that file, or the run's latest step, is read). The file has three
 signatures: `forward` (fixed length), `prefill` and `decode` (one token, explicit KV cache); see
 flaxchat/export/tflite.py and docs/export.md. After writing it, the script checks it against JAX
 (max logit error, top-1 agreement, a greedy generation token for token) unless --no-verify.
-Needs the optional converter: pip install -e ".[export]" in the flaxchat checkout (docs/export.md).
+Needs the optional converter: from the flaxchat checkout, into a virtual environment of its own
+outside it: python -m venv ~/.venvs/flaxchat-export && . ~/.venvs/flaxchat-export/bin/activate &&
+pip install -e ".[export]" (docs/export.md, "Installing the converter").
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.optim import OptimConfig, Schedule, make_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
-    from flaxchat.stage import StopOnSignal, barrier, finish, open_checkpoints
+    from flaxchat.stage import StopOnSignal, already_complete, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
@@ -202,8 +202,13 @@ def _run(tc: TrainConfig) -> dict:
         steps = tc.steps
     else:
         steps = max(1, int(rule.target_tokens // total))
-    print0(f"batch: {total:,} tokens/step = {grad_accum} micro-batch(es) of {rows_per_micro} x {T}; "
-           f"{steps:,} steps = {steps * total / 1e6:.1f}M tokens")
+    print0(batch_line(total, grad_accum, rows_per_micro, T, steps))
+    done = already_complete(tc.run_dir, resume_step, steps)
+    if done is not None:  # a rerun of a finished run: its record stays as the run that trained wrote it
+        checkpointer.close()
+        print0(f"complete: {tc.run_dir} finished at step {resume_step:,} (its COMPLETE); nothing to train, "
+               "nothing rewritten. A larger --steps trains further; --fresh starts over.")
+        return dict(done, is_main=compute.is_main, already_complete=True)
 
     # --- optimizer ------------------------------------------------------------------------------
     schedule = Schedule(steps, tc.warmup_steps, tc.warmdown_ratio, tc.final_lr_frac)
@@ -216,7 +221,8 @@ def _run(tc: TrainConfig) -> dict:
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
                           ns_dtype=ns_dtype, batch_lr_scale=rule.batch_lr_scale if scale_lrs else 1.0)
-    print0(f"recipe: LRs x{opt_cfg.batch_lr_scale:.4f} (sqrt({total:,}/2^19) = {rule.batch_lr_scale:.4f}); "
+    lr_rule = lr_rule_text(tc.lr_batch_scaling, tc.total_batch_size, scale_lrs, total, rule.batch_lr_scale, passes)
+    print0(f"recipe: {lr_rule}; "
            f"Muon weight decay {rule.weight_decay:.4f}, Polar Express in {ns_dtype}; "
            f"{steps * total / n_scaling:.1f} tokens per scaling parameter")
     layout = sharding.choose(tc.sharding, 4 * n_params, 2.0, sharding.device_memory_bytes())
@@ -343,7 +349,8 @@ def _run(tc: TrainConfig) -> dict:
                 print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | lr x{float(schedule.lr_multiplier(step - 1)):.2f} | "
                        f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {rate.eta_text(steps - step)}")
                 if compute.is_main:
-                    metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, time=time.time())
+                    metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, peak_flops=peak.flops,
+                                   time=time.time())
                 t_window, tokens_window = time.time(), 0
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == steps):
                 last_bpb = evaluate()
@@ -352,7 +359,7 @@ def _run(tc: TrainConfig) -> dict:
                     metrics.append(kind="val", step=step, val_bpb=last_bpb)
             if tc.sample_every > 0 and step % tc.sample_every == 0 and step < steps:
                 for s in stories():
-                    print0(f"sample: {s!r}")
+                    print0(sample_text(s))
             if step == steps or (tc.save_every > 0 and step % tc.save_every == 0):
                 save(step)
             if tokens_window == 0:
@@ -400,6 +407,33 @@ def _run(tc: TrainConfig) -> dict:
            f"report {run.report}")
     summary["samples"] = samples
     return summary
+
+
+def batch_line(total: int, grad_accum: int, rows: int, seq_len: int, steps: int) -> str:
+    """The `batch:` line every run prints (the README's main-job figures are read against it)."""
+    return (f"batch: {total:,} tokens/step = {grad_accum} micro-batch(es) of {rows} x {seq_len}; "
+            f"{steps:,} steps = {steps * total / 1e6:.1f}M tokens")
+
+
+def lr_rule_text(mode: str, given_batch: int, applied: bool, total: int, scale: float, passes: float | None) -> str:
+    """What the `recipe:` line says of nanochat's sqrt(B/2^19) LR rule: on or off, and why."""
+    rule = f"sqrt({total:,}/2^19) = {scale:.4f}"
+    if mode != "auto":
+        why = f"--lr-batch-scaling {mode}"
+    elif given_batch <= 0:
+        why = "--lr-batch-scaling auto, at the automatic batch"
+    elif passes is None:
+        why = "--lr-batch-scaling auto, and how often a streamed corpus is read is not known"
+    else:
+        why = (f"--lr-batch-scaling auto: the run reads its text {passes:.1f} time(s), "
+               f"{'at least' if applied else 'under'} {REPEAT_PASSES:g}")
+    return (f"LRs x{scale:.4f}, nanochat's batch rule {rule} on ({why})" if applied else
+            f"LRs x1.0000 as given, nanochat's batch rule {rule} off ({why})")
+
+
+def sample_text(story: str) -> str:
+    """A mid-run `sample:` line: the text as it reads, later lines indented under the first."""
+    return "sample: " + story.strip().replace("\n", "\n        ")
 
 
 # nanochat's sqrt(B/2^19) LR rule with a batch you give applies once a run reads its training text

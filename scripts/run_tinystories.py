@@ -48,9 +48,12 @@ def main(argv=None) -> int:
     argv = [a for a in argv if a not in ("--export", "--no-export")]
     cfg = pretrain.parse_args(argv, DEFAULTS, description=__doc__ + EXPORT_HELP, prog="python -m scripts.run_tinystories")
     summary = pretrain.run(cfg)
+    from flaxchat.paths import RunFolder, exists
+    # A rerun of a finished run that was exported leaves its export as it is, as the rest of its record.
+    if summary.get("already_complete") and exists(RunFolder(cfg.run_dir).export):
+        export = False
     if export and summary.get("is_main", True):
         from flaxchat.export import export_run
-        from flaxchat.paths import RunFolder
         files = export_run(cfg.run_dir, tokenizer_dir=cfg.tokenizer_dir or None)
         out = RunFolder(cfg.run_dir).export
         print(f"exported: {', '.join(p[len(out):].lstrip('/' + os.sep) for p in files.values())} in {out}",

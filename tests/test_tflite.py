@@ -181,3 +181,24 @@ def test_conversion_works_after_a_training_stage_left_a_mesh_set(lite, tmp_path)
         jax.set_mesh(None)
     tokens = _tokens(3)
     assert np.abs(TFLiteModel(path).forward(tokens) - logits(lite["model"], jnp.asarray(tokens))).max() < 1e-4
+
+
+@needs_litert
+@pytest.mark.timeout(180)
+def test_the_docs_generate_example_runs_as_written(lite, tmp_path, monkeypatch, capsys):
+    """docs/export.md's `TFLiteModel(path).generate()` example, run as written from a folder with
+    `exports/model.tflite` and an exported tokenizer: it decodes the returned (tokens, tok_per_s)."""
+    import re
+    import shutil
+
+    from flaxchat.tokenizer import Tokenizer
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "export.md")).read()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "model.generate(" in b)
+    (tmp_path / "exports").mkdir()
+    shutil.copy(os.path.join(lite["dir"], "model.tflite"), tmp_path / "exports" / "model.tflite")
+    text = "Once upon a time there was a little dog named Tom. He liked to run and play in the sun. " * 40
+    Tokenizer.train([text], vocab_size=TINY.vocab_size).save(tmp_path / "exports" / "tokenizer")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/export.md", "exec"), {})
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("Once upon a time") and out.endswith("tok/s)"), out

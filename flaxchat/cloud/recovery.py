@@ -136,7 +136,9 @@ def decide(obs: Observation, counters: Counters, policy: Policy) -> Decision:
                else f"its queued resource is {obs.qr_state}")
         if counters.recreates >= policy.max_recreates:
             return Decision(Action.GIVE_UP, f"{why}, and it was recreated {counters.recreates} times without progress")
-        return Decision(Action.RECREATE, f"{why}: delete, recreate, set up and run again from the last checkpoint")
+        return Decision(Action.RECREATE, f"{why}: delete, recreate, set up and run the command again (it "
+                                           "resumes from the run folder's newest committed step, or says that it "
+                                           "starts at step 0 when none was committed)")
     if state in WAIT_STATES:
         return Decision(Action.WAIT, f"the VM is {state}")
     if state != "READY":
@@ -157,9 +159,12 @@ def _decide_ready(obs: Observation, counters: Counters, policy: Policy) -> Decis
             return Decision(Action.RECREATE, f"worker(s) {silent} did not answer for {polls} polls and Google "
                                              f"reports the node's health as {obs.health}")
         delay = min(policy.max_ssh_backoff_s, policy.poll_s * 2 ** min(polls - 1, 10))
+        # A VM being preempted still reads READY for a poll or so while its workers are already gone:
+        # only a silence that lasts is worth pointing at the user's ssh set-up.
+        hint = ("; if this goes on, check your ssh key, OS Login or firewall" if polls >= policy.unreachable_polls
+                else " (a VM going down, as in a preemption, answers so before its state says it)")
         return Decision(Action.WAIT, f"ssh to worker(s) {silent} failed ({polls} poll(s) in a row) while the VM is "
-                                     "READY: waiting, a READY VM is never deleted for ssh trouble (check your ssh "
-                                     "key, OS Login or firewall)", delay)
+                                     f"READY: waiting, a READY VM is never deleted for ssh trouble{hint}", delay)
     def foreign(w):  # not running our command at all (never started it, or an older run)
         return w.state == "none" or (obs.run_id is not None and w.run_id != obs.run_id)
     if all(foreign(w) for w in obs.workers):

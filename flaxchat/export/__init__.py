@@ -11,7 +11,8 @@
 | model.stablehlo | `jax.export` forward pass, weights inside         | `jax.export.deserialize(...).call` |
 | model.tflite    | forward / prefill / decode signatures (LiteRT)    | `TFLiteModel`, any LiteRT runtime  |
 
-The .tflite comes from `scripts.convert_to_tflite` (optional extra: `pip install -e ".[export]"` in the checkout; docs/export.md).
+The .tflite comes from `scripts.convert_to_tflite` (optional extra, from the checkout into a venv of
+its own outside it: `pip install -e ".[export]"`; docs/export.md, "Installing the converter").
 Importing this package imports neither JAX nor the converter; each function imports what it needs.
 """
 

@@ -32,10 +32,12 @@ from flaxchat.export.stablehlo import check_seq_len
 CONVERTER_VERSION = "0.5.0"
 # flaxchat is installed from its checkout, not from PyPI: `pip install 'flaxchat[export]'` answered
 # "No matching distribution found for flaxchat".
-INSTALL_HINT = ('in the flaxchat checkout, pip install -e ".[export]" (litert-converter 0.5.0, ai-edge-litert '
-                '2.3.0); where the test extra is installed too, whose jupyter needs a newer typing-extensions than '
-                'the converter\'s xdsl pin allows, use pip install "ai-edge-litert==2.3.0" && pip install --no-deps '
-                '"litert-converter==0.5.0" instead (flaxchat never imports xdsl)')
+# The one install hint: the same words in scripts/convert_to_tflite.py, flaxchat/export/__init__.py and
+# docs/export.md ("Installing the converter"), which says why a venv of its own and what it costs.
+INSTALL_HINT = ('from the flaxchat checkout, into a virtual environment of its own outside it: '
+                'python -m venv ~/.venvs/flaxchat-export && . ~/.venvs/flaxchat-export/bin/activate && '
+                'pip install -e ".[export]" (docs/export.md, "Installing the converter"; where the test extra is '
+                'installed, pip install --no-deps "litert-converter==0.5.0" there instead)')
 
 
 def require_converter():

@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="with --stop: also restart the kernel")
     p.add_argument("--shutdown", action="store_true", help="with --stop: also shut the kernel down")
     p.add_argument("--no-deps", action="store_true", help="with --setup: do not install dependencies")
+    p.add_argument("--verbose", action="store_true", help="with --setup: show all of pip's output (default: -q, "
+                                                          "errors only)")
     p.add_argument("--untracked", action="store_true",
                    help="with --setup: also upload files git does not track (never secret-looking ones)")
     p.add_argument("--protocol", choices=["auto", "v1", "legacy"], default="auto",
@@ -115,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout must be a positive number of seconds (got {args.timeout:g}).")
     for flag, needs in (("restart", "stop"), ("shutdown", "stop"), ("no_deps", "setup"), ("untracked", "setup"),
+                        ("verbose", "setup"),
                         ("run_dir", "pipeline"), ("gcs_key", "pipeline"), ("name", "pipeline"), ("resume", "pipeline"),
                         ("flag", "pipeline")):
         if getattr(args, flag) and getattr(args, needs) in (None, False):
@@ -142,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.reattach:
             _raise_if_failed(runner.reattach(args.reattach, timeout=args.timeout), "the remote code")
         elif args.setup is not None:
-            info = runner.setup(args.setup, deps=not args.no_deps, untracked=args.untracked)
+            info = runner.setup(args.setup, deps=not args.no_deps, untracked=args.untracked, verbose=args.verbose)
             print(f"setup: {'installed' if info['changed'] else 'up to date'} ({info['files']} files)")
             if info.get("missing"):
                 raise RemoteFailed(f"setup could not install {', '.join(info['missing'])}: {info['hint']}.")
@@ -150,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _raise_if_failed(runner.wait(timeout=args.timeout), "the job")
         elif args.pipeline:
             runner.run_pipeline(args.depth, args.steps, run_dir=args.run_dir, gcs_key=args.gcs_key, name=args.name,
-                                resume=args.resume, **_flags(args.flag))
+                                resume=args.resume, hint="follow its log with --wait (the same URL)",
+                                **_flags(args.flag))
         elif args.download is not None:
             files = runner.download(args.download or None, args.to)
             print(f"downloaded {len(files)} file(s) into {args.to}")

@@ -137,7 +137,7 @@ def _flaxchat_main(p):
         raise RuntimeError(f"the JAX probe did not finish within {p['probe_timeout']} s") from None
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the JAX probe failed ({last}); is JAX installed there (runner.setup())?")
+        raise RuntimeError(f"the JAX probe failed ({last}); is JAX installed there (runner.setup(), or --setup)?")
     return json.loads(r.stdout.strip().splitlines()[-1])
 '''
 
@@ -146,7 +146,7 @@ _K_LAUNCH = '''
 def _flaxchat_main(p):
     import json, os, subprocess, sys
     if p["need_src"] and not os.path.isdir(p["cwd"]):
-        raise RuntimeError("flaxchat is not set up on this kernel; run runner.setup() first")
+        raise RuntimeError("flaxchat is not set up on this kernel; run runner.setup() (or --setup) first")
     cwd = p["cwd"] if os.path.isdir(p["cwd"]) else p["root"]
     cmd = [sys.executable, p["kernel_side"], "launch", "--worker", p["worker"], "--state-dir", p["state"],
            "--run-id", p["name"], "--cwd", cwd, "--env-upload", p["env_upload"], "--previous", p["previous"],
@@ -283,7 +283,7 @@ class KaggleRunner(RemoteRunner):
                 self.rest.start_kernel(self.kernel_name)
         if model.get("execution_state") == "dead":
             raise RemoteError(f"kernel {model['id']} is dead; restart it from the notebook "
-                              "(or runner.stop(restart=True)).")
+                              "(or runner.stop(restart=True), --stop --restart).")
         return model["id"]
 
     def _connect(self, now: bool = True) -> KernelConnection:
@@ -387,13 +387,15 @@ class KaggleRunner(RemoteRunner):
     # RemoteRunner verbs -----------------------------------------------------------------------
     def setup(self, local_repo_path: str = ".", *, install: str = "pip", deps: bool = True,
               pip_args: Sequence[str] = (), untracked: bool = False, offline: str = "auto",
-              chunk_size: int = 4 << 20, timeout: float = 1800, on_output: OutputCallback | None = None) -> dict[str, Any]:
+              chunk_size: int = 4 << 20, timeout: float = 1800, on_output: OutputCallback | None = None,
+              verbose: bool = False) -> dict[str, Any]:
         """Upload the repo's tracked files (never secret-looking ones; `untracked=True` adds work in
         progress) and install flaxchat on the kernel next to what the notebook image has for its
         accelerator: jax, jaxlib and the CUDA/TPU plugin stay as they are (a pip constraints file), the
         rest of flaxchat's dependencies are installed only where missing. Without Internet
         (offline='auto' finds out; 'yes'/'no' to say) nothing is downloaded and the report names what is
         missing and what to switch on. install='path' only puts the source on sys.path.
+        pip runs with -q (its errors still show) unless verbose=True.
         Idempotent: when the same content is installed already, nothing happens. Returns the report:
         kept, installed, missing, offline, hint, uploaded (file list), skipped (secret-looking files)."""
         if install not in ("pip", "path"):
@@ -424,8 +426,9 @@ class KaggleRunner(RemoteRunner):
         self.rest.upload(tar_rel, data, chunk_size=chunk_size)
         info = self._call(_K_SETUP, "setup", timeout=timeout, on_output=out, root=root, tar=tar_rel,
                           sha256=hashlib.sha256(data).hexdigest(), src=f"{self.workdir}/src", install=install,
-                          deps=deps, pip_args=list(pip_args), marker=marker_rel, want=want, offline=offline,
-                          kernel_side=bins["kernel_side"], report=f"{self.workdir}/setup-report.json")
+                          deps=deps, pip_args=[*([] if verbose else ["-q"]), *pip_args], marker=marker_rel,
+                          want=want, offline=offline, kernel_side=bins["kernel_side"],
+                          report=f"{self.workdir}/setup-report.json")
         kept = ", ".join(f"{n} {v}" for n, v in info["kept"].items()) or "nothing (no jax there yet)"
         out("stdout", f"[flaxchat] setup: kept {kept}; installed {', '.join(info['installed']) or 'nothing'}"
             + (f"; MISSING {', '.join(info['missing'])}: {info['hint']}" if info["missing"] else "")
@@ -519,7 +522,8 @@ class KaggleRunner(RemoteRunner):
     def run_pipeline(self, depth: int = 8, steps: int = 5000, *, command: Sequence[str] | None = None,
                      env: Mapping[str, str] | None = None, secrets: Mapping[str, str] | None = None,
                      name: str | None = None, resume: bool = False, follow: bool = False,
-                     run_dir: str | None = None, gcs_key: str | os.PathLike | None = None, **flags) -> RunResult:
+                     run_dir: str | None = None, gcs_key: str | os.PathLike | None = None,
+                     hint: str = "runner.wait() follows its log", **flags) -> RunResult:
         """Start `python -m scripts.run_tinystories --depth=.. --steps=.. --run-dir=.. [--flags]` on the
         kernel's machine as a detached job (a dropped connection, an interrupted cell or a kernel
         restart does not stop it) and return at once (state 'running'); wait() follows it. `command`
@@ -535,7 +539,8 @@ class KaggleRunner(RemoteRunner):
         on the server. gcs_key: a service-account key file on this machine; its text travels as the
         secret FLAXCHAT_GCS_KEY and becomes a 0600 key file outside /kaggle/working on the kernel's
         machine (GOOGLE_APPLICATION_CREDENTIALS). Without it the kernel's own credentials are used
-        (the notebook may set FLAXCHAT_GCS_KEY from Kaggle's Secrets, see docs/kaggle.md)."""
+        (the notebook may set FLAXCHAT_GCS_KEY from Kaggle's Secrets, see docs/kaggle.md).
+        `hint`: how to follow the job, in the caller's words (the command line names its --wait)."""
         remote_run = run_dir is not None
         if remote_run and "://" not in str(run_dir):
             raise UserError(f"run_dir must be a bucket URL such as gs://my-bucket/d20 (got {run_dir!r}); without "
@@ -590,16 +595,18 @@ class KaggleRunner(RemoteRunner):
         self.rest.upload(f"{self.workdir}/runs/latest.json", json.dumps(job.record()).encode())
         self.job, self.last_result = job, None
         print(f"started job {name} on the kernel's machine (pid {job.pid}), run folder {path if remote_run else remote_dir}"
-              f"; runner.wait() follows its log", flush=True)
+              f"; {hint}", flush=True)
         started = RunResult(state="running", ok=True, elapsed=time.monotonic() - t0)
         return self.wait() if follow else started
 
     def download(self, remote_path: str | None = None, local_path: str | os.PathLike = ".", *,
-                 overwrite: bool = False) -> list[str]:
+                 overwrite: bool = False, progress: bool | None = None) -> list[str]:
         """Fetch a file or a folder (recursively; its contents go into `local_path`) from the server.
         `remote_path` is relative to the server's root; None means the current job's run folder.
         Existing local files are kept unless overwrite=True; a download cut short leaves `<file>.part`,
-        which the next download resumes (a Range request). Returns the local paths written."""
+        which the next download resumes (a Range request). Returns the local paths written.
+        `progress`: a bar of the bytes fetched on stderr (tqdm; None: when stderr is a terminal), as a
+        d20 checkpoint is 9.2 GB."""
         if remote_path is None:
             job = self._current_job() or self._latest_job()
             if job is None:
@@ -610,21 +617,26 @@ class KaggleRunner(RemoteRunner):
             raise RemoteError(f"{remote_path} does not exist on the server.")
         local = Path(local_path)
         if model["type"] != "directory":
-            target = local / model["name"] if local.is_dir() else local
-            return [self._fetch(model, target, overwrite)]
-        written, stack = [], [(model["path"], local, 0)]
-        while stack:
-            rpath, lpath, depth = stack.pop()
-            if depth > 64:
-                raise RemoteError(f"{remote_path} is nested more than 64 folders deep; download a subfolder.")
-            for entry in self.rest.model(rpath, content=True)["content"]:
-                if entry["type"] == "directory":
-                    stack.append((entry["path"], lpath / entry["name"], depth + 1))
-                else:
-                    written.append(self._fetch(entry, lpath / entry["name"], overwrite))
+            todo = [(model, local / model["name"] if local.is_dir() else local)]
+        else:
+            todo, stack = [], [(model["path"], local, 0)]
+            while stack:
+                rpath, lpath, depth = stack.pop()
+                if depth > 64:
+                    raise RemoteError(f"{remote_path} is nested more than 64 folders deep; download a subfolder.")
+                for entry in self.rest.model(rpath, content=True)["content"]:
+                    if entry["type"] == "directory":
+                        stack.append((entry["path"], lpath / entry["name"], depth + 1))
+                    else:
+                        todo.append((entry, lpath / entry["name"]))
+        from tqdm import tqdm
+        total = sum(m.get("size") or 0 for m, _ in todo)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                  desc=f"downloading {len(todo)} file(s)", disable=None if progress is None else not progress) as bar:
+            written = [self._fetch(m, target, overwrite, bar) for m, target in todo]
         return sorted(written)
 
-    def _fetch(self, model: dict, target: Path, overwrite: bool) -> str:
+    def _fetch(self, model: dict, target: Path, overwrite: bool, bar=None) -> str:
         if target.exists() and not overwrite:
             raise UserError(f"{target} exists already; move it away or pass overwrite=True.")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -632,10 +644,13 @@ class KaggleRunner(RemoteRunner):
         start = tmp.stat().st_size if tmp.exists() else 0
         if model.get("size") is not None and start > model["size"]:
             start = 0  # the remote file changed (shorter now): start over
+        if bar is not None:
+            bar.update(start)  # resumed from a .part: those bytes are here already
         try:  # streamed through /files/; a proxy that passes only /api/ gets the Contents API's base64
             with open(tmp, "r+b" if start else "wb") as f:
                 f.seek(start)
-                self.rest.download_file(model["path"], f, model.get("size"), start=start)
+                self.rest.download_file(model["path"], f if bar is None else _Counted(f, bar), model.get("size"),
+                                        start=start)
         except RemoteError:
             if model.get("size") is not None and model["size"] > (64 << 20):
                 raise  # too big for one base64 answer; the .part stays for the next try
@@ -643,8 +658,24 @@ class KaggleRunner(RemoteRunner):
             if data is None:
                 raise RemoteError(f"{model['path']} vanished from the server during the download.") from None
             tmp.write_bytes(data)
+            if bar is not None:
+                bar.update(len(data))
         os.replace(tmp, target)  # no half-written file under the real name
         return str(target)
+
+
+class _Counted:
+    """A file being written that moves a progress bar by each block written to it."""
+
+    def __init__(self, f, bar):
+        self.f, self.bar = f, bar
+
+    def write(self, block: bytes) -> int:
+        self.bar.update(len(block))
+        return self.f.write(block)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
 
 
 def _json_or_none(data: bytes | None) -> Any:

@@ -99,8 +99,8 @@ class JobFollower:
             if code is not None:
                 break
             if deadline is not None and now >= deadline:
-                raise RemoteTimeout(f"job {job.name} is still running after {timeout:g} s; call wait() again to "
-                                    "keep following it, or stop() to end it.")
+                raise RemoteTimeout(f"job {job.name} is still running after {timeout:g} s; call wait() (--wait) "
+                                    "again to keep following it, or stop() (--stop) to end it.")
             if now - last_news > stale_s and now - last_check > stale_s and alive is not None:
                 last_check = now
                 if alive(job) is False and self.exit_code(job) is None:
@@ -123,4 +123,4 @@ class JobFollower:
                 return code
             time.sleep(0.2)
         raise RemoteError(f"job {job.name} is still alive {limit:g} s after the stop request; its supervisor may be "
-                          "gone: stop it from the notebook (or runner.stop(restart=True)).")
+                          "gone: stop it from the notebook (or runner.stop(restart=True), --stop --restart).")
