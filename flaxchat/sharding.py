@@ -41,12 +41,12 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 
 def make_mesh(devices: Sequence, sharding: str, slices: int | None = None) -> Mesh:
     """A ('slice', 'data', 'fsdp', 'tensor') mesh over `devices` for the layout `dp` or `fsdp`,
-    within each of `slices` slices. None: as many as the devices span (a TPU device's
-    `slice_index`, which multislice jobs and multi-slice compile-only topologies set; 1 where
-    devices have none). A slice takes a contiguous run of the devices, grouped by slice_index."""
+    within each of `slices` slices. None: as many as TPU devices span (their `slice_index`, which
+    multislice jobs and multi-slice compile-only topologies set); 1 on other platforms, whose
+    devices are never split by it. A slice takes a contiguous run of the devices, by slice_index."""
     devices = list(devices)
     if slices is None:
-        index = [getattr(d, "slice_index", 0) or 0 for d in devices]
+        index = [(getattr(d, "slice_index", 0) or 0) if getattr(d, "platform", "") == "tpu" else 0 for d in devices]
         slices = len(set(index))
         if slices > 1:
             devices = [d for _, d in sorted(zip(index, devices), key=lambda p: p[0])]

@@ -114,8 +114,16 @@ def test_compiles_for_a_v5e_chip_with_splash_and_says_what_does_not_fit():
                     "--target DIR 'libtpu==0.0.42.*'` and put DIR on PYTHONPATH to run the TPU compile")
 def test_two_v5e_slices_compile_with_the_gradient_reduce_over_the_data_centre_network():
     """d1 for two v5e-4 slices (libtpu's multislice topology): 8 chips, the layout within a slice, and
-    the gradient all-reduce as Megascale transfers between them. ~1 min on 2 busy cores."""
+    the gradient all-reduce as Megascale transfers between them. ~1 min on 2 busy cores. The mesh
+    takes the slice count from the TPU devices' slice_index when it is not given."""
     where = os.path.dirname(os.path.dirname(LIBTPU.origin))
+    code = ("from bench.topology import compile_devices, slice_for; from flaxchat.sharding import make_mesh\n"
+            "devices = compile_devices(slice_for('v5e-4'), 'x', slices=2)\n"
+            "print(dict(make_mesh(devices[::-1], 'fsdp').shape), sorted({d.slice_index for d in devices}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(where), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "{'slice': 2, 'data': 1, 'fsdp': 4, 'tensor': 1} [0, 1]", r.stdout
     r = subprocess.run([sys.executable, "-m", "bench.scale", "--topology", "v5e-4", "--slices", "2", "--depths", "1",
                         "--seq", "256", "--device-batch", "1", "--layouts", "dp"],
                        cwd=ROOT, env=_env(where), capture_output=True, text=True, timeout=580)

@@ -143,10 +143,12 @@ def test_help_and_bad_input_is_one_sentence():
         assert flag in r.stdout, flag
     ok = ("--run", RUN, "--run-dir", "gs://b/r")
     for args, says in [(("--accelerator", "v5e-3", *ok), "unknown TPU accelerator type 'v5e-3'"),
+                       (("--run-dir", "gs://b/r"), "--run needs the stage's command"),
+                       (("--run", RUN), "--run-dir is required"),
                        (("--run", RUN, "--run-dir", "runs/d20"), "--run-dir must be a gs:// folder"),
                        (("--zone", "us-west4-a", "--region", "us-east5", *ok), "is not in --region"),
                        (("--max-restarts", "-1", *ok), "--max-restarts must be 0 or more"),
                        (("--env", "NOEQUALS", *ok), "--env takes KEY=VALUE")]:
         r = _cli(*args)
-        assert r.returncode == 2 and r.stderr.startswith(f"error: {says}") or says in r.stderr, (args, r.stderr)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and says in r.stderr, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -66,6 +66,9 @@ class JobSpec:
         topology_for(self.accelerator)  # unknown type: one sentence listing the valid ones
         if not self.run.strip():
             raise UserError("--run needs the stage's command, e.g. --run \"python -m scripts.pretrain --depth=20\".")
+        if not self.run_dir:
+            raise UserError("--run-dir is required: the gs:// folder the stage keeps its checkpoints in, e.g. "
+                            "--run-dir gs://my-bucket/d20.")
         if not self.run_dir.startswith("gs://") or len(self.run_dir.rstrip("/")) <= len("gs://"):
             raise UserError(f"--run-dir must be a gs:// folder (got {self.run_dir!r}): a managed job is relaunched on "
                             "new VMs, whose disks start empty, so checkpoints on a VM's disk would be lost and "
@@ -185,10 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--region", help="region to run in, any of its zones (default: any)")
     ap.add_argument("--spot", action="store_true", help="spot capacity (cheaper; preemptions are recovered)")
     ap.add_argument("--runtime-version", default="", help="TPU VM image (default: Google's for the generation)")
-    ap.add_argument("--run", metavar="CMD", required=True, help="the stage's command, run on every host")
-    ap.add_argument("--run-dir", metavar="gs://BUCKET/RUN", required=True,
+    ap.add_argument("--run", metavar="CMD", default="", help="the stage's command, run on every host (required)")
+    ap.add_argument("--run-dir", metavar="gs://BUCKET/RUN", default="",
                     help="the stage's run folder in a bucket, added to CMD as its --run-dir: a relaunch resumes "
-                         "from its last checkpoint")
+                         "from its last checkpoint (required)")
     ap.add_argument("--name", default=JobSpec.name, help="the managed job's name (default %(default)s)")
     ap.add_argument("--strategy", default=JobSpec.strategy, choices=STRATEGIES,
                     help="where SkyPilot looks for a new slice after a preemption (default %(default)s)")
