@@ -3,7 +3,7 @@
     python -m flaxchat.cloud.skypilot --accelerator=v5litepod-8 --spot --zone=us-west4-a \\
         --run-dir=gs://my-flaxchat/d20 --run "python -m scripts.pretrain --depth=20" > d20.yaml
     sky jobs launch d20.yaml            # a controller in the cloud runs it and relaunches it
-    sky jobs queue; sky jobs logs       # state, restarts, cost; worker 0's output
+    sky jobs queue; sky jobs logs       # status and recoveries; process 0's output
 
 The launcher's --recover keeps a run going through preemptions only while the machine that runs it
 keeps polling. A managed job is watched by SkyPilot's controller, a small VM in the cloud: when the
@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--accelerator", "--accelerator-type", dest="accelerator", default=JobSpec.accelerator,
                     help="Cloud TPU type, as the launcher takes it: v5litepod-8, v6e-64, v4-32, ... "
                          "(default %(default)s)")
-    ap.add_argument("--zone", help="zone to run in (default: any zone SkyPilot finds capacity in)")
-    ap.add_argument("--region", help="region to run in, any of its zones (default: any)")
+    ap.add_argument("--zone", help="zone to run in, and to relaunch in after a preemption (default: any zone "
+                                   "SkyPilot finds capacity in)")
+    ap.add_argument("--region", help="region to run and relaunch in, any of its zones (default: any)")
     ap.add_argument("--spot", action="store_true", help="spot capacity (cheaper; preemptions are recovered)")
     ap.add_argument("--runtime-version", default="", help="TPU VM image (default: Google's for the generation)")
     ap.add_argument("--run", metavar="CMD", default="", help="the stage's command, run on every host (required)")
