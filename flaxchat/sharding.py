@@ -5,8 +5,9 @@ mesh's shape, not by different code: `dp` puts every device of a slice on 'data'
 replicated, since the 'fsdp' axis has size 1), `fsdp` puts them on 'fsdp' (each parameter's 'embed'
 dimension split over the devices, so every device holds ~1/N of parameters, gradients and optimizer
 state). 'slice' counts TPU slices joined by the data-centre network (multislice; 1 on one slice, a
-GPU or a CPU): parameters are replicated across slices and batches split over them, so the only
-traffic between slices is the gradient reduction (data parallel across slices, fsdp within).
+GPU or a CPU): parameters are replicated across slices and batches split over them (data parallel
+across slices, the layout within), so the traffic between slices should be the gradient reduction
+(docs/deployment.md, "Two slices", has what libtpu's compiler actually sends).
 Batches are split over 'slice', 'data' and 'fsdp' together. 'tensor' is the room left for tensor
 parallelism (size 1). Modules name logical axes only (`Linear(..., axes=("embed", "mlp"))`), never
 mesh axes. An axis of size 1 splits nothing, so a one-slice mesh places every array as the
