@@ -6,6 +6,7 @@
     python -m bench.scale --depths 12 --layouts fsdp --run-steps 12
     python -m bench.scale --depths 2,4 --devices 2 --seq 64 --batch 2     # small enough to run steps
     python -m bench.scale --topology v5e-8 --depths 12,20                 # libtpu's compiler, for 8 v5e chips
+    python -m bench.scale --topology v5e-256 --slices 2 --depths 24       # two v5e-256 pods over the data-centre network
 
 For each depth and layout, one row (MiB per device):
   params         parameter count
@@ -38,12 +39,20 @@ Polar Express in bf16. The figures are then the TPU compiler's own, every depth 
 no step runs, and the fits column is that chip's HBM. A step that does not fit fails to compile with
 the chip's out-of-memory message, whose sizes the row prints. libtpu must be importable but should
 not be installed in the project's environment; without it the bench says how to install it beside.
+
+--slices N (multislice): N slices joined by the data-centre network, data parallel across them and
+the layout within each (flaxchat.sharding's 'slice' axis); with --topology, libtpu's own N-slice
+topology. Under each row, the collectives whose device groups span slices (from the compiled
+module's replica groups), by op, with the bytes of their results per device: the gradient reduction
+that crosses the data-centre network.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -64,6 +73,11 @@ def parse_args(argv):
     p.add_argument("--topology", default=None,
                    help="compile for this TPU slice with libtpu instead of fake CPU devices: v5e-1, v5e-8, "
                         "v4-32, v6e-64, v5p-8, ... (Cloud TPU's accelerator names; v5e is v5litepod)")
+    p.add_argument("--slices", type=int, default=1,
+                   help="slices joined by the data-centre network (multislice): the batch split over them and "
+                        "the parameters whole in each (data parallel across slices, the layout within); with "
+                        "--topology, that many copies of the named slice, else --devices split into this many "
+                        "(default: %(default)s)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default: %(default)s, the seed's)")
     p.add_argument("--batch", type=int, default=None,
                    help="rows per step over all devices, one micro-batch; must divide over --devices")
@@ -95,11 +109,13 @@ def parse_args(argv):
     if args.topology is not None:
         from bench.topology import slice_for
         args.slice = slice_for(args.topology)
-        args.devices = args.slice.chips
+        args.devices = args.slice.chips * max(args.slices, 1)
         args.run_steps = "none"  # compile-only devices: nothing runs on them
     args.dtype = args.dtype or ("bfloat16" if args.slice else "float32")
     if args.exact_up_to is None:
         args.exact_up_to = 10**6 if args.slice else 12
+    if args.slices < 1 or args.devices % args.slices:
+        raise UserError(f"--slices must be at least 1 and divide the {args.devices} devices (got {args.slices}).")
     try:
         args.depth_list = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
@@ -120,7 +136,7 @@ def parse_args(argv):
         raise UserError("--devices and --batch must be at least 1 and --seq at least 2.")
     for batch in args.batch_list:
         if batch % args.devices:
-            where = f"the {args.devices} chips of {args.slice.accelerator}" if args.slice else f"{args.devices} devices"
+            where = (f"the {args.devices} chips of {_slices_name(args)}" if args.slice else f"{args.devices} devices")
             raise UserError(f"--batch {batch} does not split over {where}; use a multiple of "
                             f"{args.devices} (every device takes the same number of rows).")
     args.batch = args.batch_list[0]
@@ -162,7 +178,7 @@ def target_devices(args):
     except RuntimeError:  # the backend has started (e.g. in a test process): it is the CPU's or it
         pass              # is a chip's, and either traces the step the same way
     from bench.topology import compile_devices
-    return compile_devices(args.slice, "python -m bench.scale " + shlex.join(args.argv))
+    return compile_devices(args.slice, "python -m bench.scale " + shlex.join(args.argv), slices=args.slices)
 
 
 def available_ram() -> int:
@@ -282,7 +298,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     from flaxchat import sharding
     from flaxchat.common import measured_matmul_peak
 
-    mesh = sharding.make_mesh(args.target_devices or jax.devices(), layout)
+    mesh = sharding.make_mesh(args.target_devices or jax.devices(), layout, slices=args.slices)
     model, opt = build_for(cfg, mesh, args, abstract=True)
     param_dev = max(sharding.bytes_per_device(nnx.state(model, nnx.Param)).values())
     opt_dev = max(sharding.bytes_per_device(nnx.state(opt)).values())
@@ -304,7 +320,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     # A cheap compile gives the memory and FLOP figures; the real code generation (for a fair step
     # time) is paid only for a step that will run.
     compiled, seconds, batch = compile_step(cfg, mesh, args, cheap=run != "yes")
-    row.update(memory(compiled), compile_s=seconds, cheap=run != "yes")
+    row.update(memory(compiled), compile_s=seconds, cheap=run != "yes", across=across_slices(compiled, args))
     if run == "no":
         return row
     if run == "auto":
@@ -350,7 +366,90 @@ def compile_for_slice(cfg, mesh, args) -> dict:
             raise
         return dict(args_b=None, temp_b=oom.get("temp_b"), out_b=None, peak_b=oom.get("peak_b"),
                     hbm_b=oom["hbm_b"], compile_s=time.perf_counter() - t, cheap=False, why="OOM", target=True)
-    return dict(memory(compiled), compile_s=seconds, cheap=False, target=True)
+    return dict(memory(compiled), compile_s=seconds, cheap=False, target=True, across=across_slices(compiled, args))
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$", re.M)
+_ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64|f8\w*)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8}
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    size = _ITEMSIZE.get(dtype) or (1 if dtype.startswith("f8") else max(1, int(re.sub(r"\D", "", dtype)) // 8))
+    return size * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _groups(attrs: str, devices: int) -> list[list[int]]:
+    """The device groups of one collective, from its replica_groups (listed, or XLA's iota form
+    `[G,S]<=[dims]T(perm)`) or a permute's source_target_pairs; none listed means all devices."""
+    import numpy as np
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:
+        shape, dims = [int(x) for x in m[1].split(",")], [int(x) for x in m[2].split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m[3]:
+            ids = ids.transpose([int(x) for x in m[3].split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", attrs)
+    if m:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d, ]*)\}", m[1])]
+    return [list(range(devices))]
+
+
+_MEGASCALE = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \((.*?)\) send\(.*_xla_megascale_transfer_type=\"(\w+)\"", re.M)
+
+
+def cross_slice_collectives(hlo: str, devices: int, slices: int) -> dict[str, list[int]]:
+    """op -> [count, bytes] of what a compiled module (`compiled.as_text()`) sends between slices.
+
+    libtpu compiles one slice's program: its collectives stay within the slice, and what crosses
+    the data-centre network is a host transfer to the Megascale runtime (`send` with
+    `_xla_megascale_transfer_type`, e.g. ALL_REDUCE), counted by that type with its operand's bytes.
+    Elsewhere (XLA:CPU's fake devices) it is every collective whose device groups span more than one
+    slice (a device's slice: its position in the mesh over the slice count, the mesh's leading axis),
+    with the bytes of its result (an async op's: its outputs)."""
+    out: dict[str, list[int]] = {}
+    for result, kind in _MEGASCALE.findall(hlo):
+        arrays = _ARRAY.findall(result)[:1]  # (data, context, token)
+        entry = out.setdefault(kind.lower().replace("_", "-"), [0, 0])
+        entry[0] += 1
+        entry[1] += sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
+    if out:
+        return out
+    per_slice = devices // slices
+    for result, op, start, rest in _OP.findall(hlo):
+        if not any(len({d // per_slice for d in g}) > 1 for g in _groups(rest, devices)):
+            continue
+        arrays = _ARRAY.findall(result)
+        if start and op == "all-gather":
+            arrays = arrays[len(arrays) // 2:]  # (operands, outputs)
+        elif start and op == "collective-permute":
+            arrays = arrays[:1]  # (operand, output, contexts)
+        entry = out.setdefault(op, [0, 0])
+        entry[0] += 1
+        entry[1] += sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
+    return out
+
+
+def across_slices(compiled, args) -> dict | None:
+    if args.slices < 2:
+        return None
+    return cross_slice_collectives(compiled.as_text(), args.devices, args.slices)
+
+
+def _slices_name(args) -> str:
+    return f"{args.slices} x {args.slice.accelerator}" if args.slices > 1 else args.slice.accelerator
+
+
+def format_across(r: dict, slices: int) -> str | None:
+    """The line under a row: the collectives between slices, by op, with their bytes per device."""
+    if r.get("across") is None:
+        return None
+    if not r["across"]:
+        return f"      across the {slices} slices: no collective"
+    parts = [f"{op} x{n} ({_mib(b)} MiB)" for op, (n, b) in sorted(r["across"].items())]
+    return f"      across the {slices} slices: " + ", ".join(parts)
 
 
 def _libtpu_version() -> str:
@@ -411,12 +510,15 @@ def main(argv=None) -> int:
     what = (f"rows of {args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state "
             f"fp32, attention {kernels.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}")
     if args.slice is None:
+        slices = f" in {args.slices} slices" if args.slices > 1 else ""
         print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} "
-              f"devices on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; {what}", flush=True)
+              f"devices{slices} on {os.cpu_count()} cores, {available_ram() / 2**30:.0f} GiB RAM available; {what}", flush=True)
     else:
         s, dev = args.slice, args.target_devices[0]
-        print(f"bench.scale: jax {jax.__version__}, compiled by libtpu {_libtpu_version()} for {s.accelerator} "
-              f"({s.chips} x {dev.device_kind}, {s.hbm_bytes / 2**30:.0f} GiB HBM each; topology {s.topology_name}) "
+        slices = f", {args.slices} slices over the data-centre network" if args.slices > 1 else ""
+        print(f"bench.scale: jax {jax.__version__}, compiled by libtpu {_libtpu_version()} for {_slices_name(args)} "
+              f"({args.devices} x {dev.device_kind}, {s.hbm_bytes / 2**30:.0f} GiB HBM each; topology {s.topology_name}"
+              f"{slices}) "
               f"on this CPU machine ({os.cpu_count()} cores); {what}, Polar Express in {kernels.ns_dtype}", flush=True)
     chips = chip_columns(args)
     head = (f"{'depth':>5} {'layout':6} {'params':>8} {'param/dev':>9} {'opt/dev':>8} {'args':>7} {'temp':>7} "
@@ -446,6 +548,8 @@ def main(argv=None) -> int:
                 rows.setdefault((depth, layout), r)
                 all_rows.append((depth, layout, batch // args.devices, r))
                 print(format_row(depth, layout, r, batch // args.devices), flush=True)
+                if format_across(r, args.slices):
+                    print(format_across(r, args.slices), flush=True)
     print("-" * len(head))
     notes = []
     if any(r["cheap"] for r in rows.values()):
@@ -467,10 +571,11 @@ def main(argv=None) -> int:
     for depth in args.depth_list:
         if (depth, "dp") in rows and (depth, "fsdp") in rows:
             dp, fs = rows[(depth, "dp")], rows[(depth, "fsdp")]
-            if args.devices == 1 or dp["peak_b"] is None or fs["peak_b"] is None:
+            per_slice = args.devices // args.slices  # fsdp splits within a slice
+            if per_slice == 1 or dp["peak_b"] is None or fs["peak_b"] is None:
                 continue
             print(f"d{depth}: fsdp holds {fs['param_dev'] / dp['param_dev']:.3f} of dp's parameter bytes per device "
-                  f"(1/{args.devices} = {1 / args.devices:.3f}); peak per device {_mib(fs['peak_b'])} MiB vs "
+                  f"(1/{per_slice} = {1 / per_slice:.3f}); peak per device {_mib(fs['peak_b'])} MiB vs "
                   f"{_mib(dp['peak_b'])} MiB under dp")
     if len(args.batch_list) > 1:
         if args.slice is None:

@@ -104,9 +104,10 @@ def slice_for(name: str) -> Slice:
     return Slice(topo.accelerator, topo.chips, topo.generation, topology_name, chip_config, bounds, wrap)
 
 
-def compile_devices(s: Slice, command: str) -> list:
+def compile_devices(s: Slice, command: str, slices: int = 1) -> list:
     """The slice's devices, compile-only, from libtpu (without it, a UserError that shows how to run
-    `command` with it)."""
+    `command` with it). `slices` > 1: that many copies of the slice joined by the data-centre network
+    (multislice); each device's `slice_index` says which, and they come slice by slice."""
     if not have_libtpu():
         raise UserError(libtpu_help(command))
     # libtpu takes /tmp/libtpu_lockfile, one process per machine, so that two never drive the same
@@ -117,7 +118,8 @@ def compile_devices(s: Slice, command: str) -> list:
     with _stderr_kept_unless_failed():
         desc = topologies.get_topology_desc(platform="tpu", topology_name=s.topology_name,
                                             chip_config_name=s.chip_config_name,
-                                            chips_per_host_bounds=s.chips_per_host_bounds, num_slices=1, wrap=s.wrap)
+                                            chips_per_host_bounds=s.chips_per_host_bounds, num_slices=slices,
+                                            wrap=s.wrap)
     return list(desc.devices)
 
 

@@ -1,11 +1,17 @@
 """One table of sharding rules: logical axis names (what modules say) -> mesh axes (where data lives).
 
-The mesh always has three axes, ('data', 'fsdp', 'tensor'). The layout is chosen by the mesh's
-shape, not by different code: `dp` puts every device on 'data' (parameters replicated, since the
-'fsdp' axis has size 1), `fsdp` puts them on 'fsdp' (each parameter's 'embed' dimension split over
-the devices, so every device holds ~1/N of parameters, gradients and optimizer state). Batches are
-split over 'data' and 'fsdp' together. 'tensor' is the room left for tensor parallelism (size 1).
-Modules name logical axes only (`Linear(..., axes=("embed", "mlp"))`), never mesh axes.
+The mesh always has four axes, ('slice', 'data', 'fsdp', 'tensor'). The layout is chosen by the
+mesh's shape, not by different code: `dp` puts every device of a slice on 'data' (parameters
+replicated, since the 'fsdp' axis has size 1), `fsdp` puts them on 'fsdp' (each parameter's 'embed'
+dimension split over the devices, so every device holds ~1/N of parameters, gradients and optimizer
+state). 'slice' counts TPU slices joined by the data-centre network (multislice; 1 on one slice, a
+GPU or a CPU): parameters are replicated across slices and batches split over them (data parallel
+across slices, the layout within), so the traffic between slices should be the gradient reduction
+(docs/deployment.md, "Two slices", has what libtpu's compiler actually sends).
+Batches are split over 'slice', 'data' and 'fsdp' together. 'tensor' is the room left for tensor
+parallelism (size 1). Modules name logical axes only (`Linear(..., axes=("embed", "mlp"))`), never
+mesh axes. An axis of size 1 splits nothing, so a one-slice mesh places every array as the
+three-axis mesh before it did.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxchat.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")
+MESH_AXES = ("slice", "data", "fsdp", "tensor")
+BATCH = ("slice", "data", "fsdp")
 
 # logical axis -> mesh axis (None: replicated along it)
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -34,10 +40,23 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def make_mesh(devices: Sequence, sharding: str) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh over `devices` for the layout `dp` or `fsdp`."""
+def make_mesh(devices: Sequence, sharding: str, slices: int | None = None) -> Mesh:
+    """A ('slice', 'data', 'fsdp', 'tensor') mesh over `devices` for the layout `dp` or `fsdp`,
+    within each of `slices` slices. None: as many as TPU devices span (their `slice_index`, which
+    multislice jobs and multi-slice compile-only topologies set); 1 on other platforms, whose
+    devices are never split by it. A slice takes a contiguous run of the devices, by slice_index."""
+    devices = list(devices)
+    if slices is None:
+        index = [(getattr(d, "slice_index", 0) or 0) if getattr(d, "platform", "") == "tpu" else 0 for d in devices]
+        slices = len(set(index))
+        if slices > 1:
+            devices = [d for _, d in sorted(zip(index, devices), key=lambda p: p[0])]
     n = len(devices)
-    shape = {"dp": (n, 1, 1), "fsdp": (1, n, 1)}.get(sharding)
+    if slices < 1 or n % slices:
+        raise UserError(f"{n} devices do not divide into {slices} slices; give a slice count that divides "
+                        "the device count.")
+    per_slice = n // slices
+    shape = {"dp": (slices, per_slice, 1, 1), "fsdp": (slices, 1, per_slice, 1)}.get(sharding)
     if shape is None:
         raise UserError(f"--sharding must be dp, fsdp or auto (got {sharding!r}).")
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -227,10 +246,10 @@ def sharded_mesh():
 
 
 def data_parallel_mesh():
-    """The mesh in context when it splits only the batch (the dp layout over several devices:
-    parameters replicated), else None."""
+    """The mesh in context when it splits only the batch (the dp layout over several devices, in
+    one slice or several: parameters replicated), else None."""
     mesh = sharded_mesh()
-    if mesh is None or mesh.shape["data"] < 2 or mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1:
+    if mesh is None or mesh.shape["slice"] * mesh.shape["data"] < 2 or mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1:
         return None
     return mesh
 

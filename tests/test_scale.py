@@ -115,3 +115,18 @@ def test_save_stall_times_the_steps_around_a_real_save():
         assert os.path.isdir(os.path.join(tmp, "3"))  # the save really landed, at the step asked for
     assert re.search(r"median step [\d.]+ ms; the save's call \d+ ms; the steps from the save on: "
                      r"([\d.]+ ms \([\d.]+x\)(, )?){3}; writing went on \d+ ms", r.stdout), r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_two_slices_on_fake_devices_reduce_gradients_between_them():
+    """--slices 2 on 4 fake devices: two slices of 2, dp within; the collectives whose device groups
+    span both slices are printed under the row (the gradient all-reduce), and a slice count that
+    does not divide the devices is one sentence."""
+    r = _scale("--depths", "2", "--devices", "4", "--slices", "2", "--seq", "64", "--batch", "4", "--layouts", "dp",
+               "--compile-only")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 fake CPU devices in 2 slices" in r.stdout, r.stdout
+    across = [l for l in r.stdout.splitlines() if l.strip().startswith("across the 2 slices:")]
+    assert len(across) == 1 and re.search(r"all-reduce x\d+ \([\d.,]+ MiB\)", across[0]), r.stdout
+    r = _scale("--devices", "8", "--slices", "3", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --slices must be at least 1 and divide the 8 devices (got 3)."

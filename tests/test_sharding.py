@@ -105,7 +105,7 @@ def test_bf16_compute_tracks_fp32():
 
 def test_rules_and_bad_layouts():
     mesh = sharding.make_mesh(jax.devices() * 1, "fsdp")
-    assert tuple(mesh.axis_names) == ("data", "fsdp", "tensor")
+    assert tuple(mesh.axis_names) == ("slice", "data", "fsdp", "tensor") and mesh.shape["slice"] == 1
     with pytest.raises(UserError, match="--sharding"):
         sharding.make_mesh(jax.devices(), "zero3")
     assert sharding.choose("auto", 10**6, 2.0, 16 * 10**9) == "dp"
@@ -115,7 +115,7 @@ def test_rules_and_bad_layouts():
 
 def test_fsdp_axis_that_does_not_divide_is_one_sentence():
     class FakeMesh:
-        shape = {"data": 1, "fsdp": 8, "tensor": 1}
+        shape = {"slice": 1, "data": 1, "fsdp": 8, "tensor": 1}
     with pytest.raises(UserError, match="does not divide over 8 devices"):
         sharding.logical_to_spec(("embed", "mlp"), (100, 400), FakeMesh())
 
@@ -319,3 +319,71 @@ def test_a_run_saved_on_a_pod_opens_on_one_device(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(l for l in r.stdout.splitlines() if l.startswith("DEVICES"))
     assert line.split()[1] == "1" and float(line.split()[2]) > 0, line
+
+
+_SLICES = """
+import json, jax, numpy as np
+from flax import nnx
+from flaxchat import sharding
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT
+from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+from flaxchat.train import train_step
+
+cfg = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, attn_block=16)
+data = np.random.default_rng(0).integers(0, 256, (2, 16, 33)).astype(np.int32)  # 2 micro-batches of 16 rows
+
+def make_model():
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)  # non-zero output projections, as sharding_worker.py does
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    return model
+
+out, params = {}, {}
+for layout in ("dp", "fsdp"):
+    for slices in (1, 2):
+        mesh = sharding.make_mesh(jax.devices(), layout, slices=slices)
+        with jax.set_mesh(mesh):
+            model, opt = sharding.create_sharded(make_model, lambda m: nnx.Optimizer(
+                m, build_optimizer(OptimConfig(n_embd=64, depth=2), Schedule(10)), wrt=nnx.Param), mesh)
+            rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.BATCH))
+            x, y = jax.device_put(data[..., :-1], rows), jax.device_put(data[..., 1:], rows)
+            losses = [float(train_step(model, opt, x, y)) for _ in range(3)]
+        key = f"{layout}{slices}"
+        params[key] = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        kernel = model.blocks[0].mlp.c_fc.kernel[...]
+        out[key] = dict(mesh=dict(mesh.shape), losses=losses, x_shards=len({str(s.index) for s in x.addressable_shards}),
+                        kernel_shards=len({str(s.index) for s in kernel.addressable_shards}),
+                        param_bytes_per_device=max(sharding.bytes_per_device(nnx.state(model, nnx.Param)).values()))
+for layout in ("dp", "fsdp"):
+    one, two = params[layout + "1"], params[layout + "2"]
+    out[layout + "_max_rel"] = max(float(np.max(np.abs(one[k] - two[k]) / (np.abs(one[k]) + 1e-6))) for k in one
+                                   if k.endswith("kernel"))
+    out[layout + "_matrices_allclose"] = all(np.allclose(one[k], two[k], rtol=1e-5, atol=1e-6) for k in one if k.endswith("kernel"))
+    out[layout + "_allclose"] = all(np.allclose(one[k], two[k], rtol=1e-5, atol=1e-3) for k in one)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(400)
+def test_two_slices_train_as_one():
+    """Multislice on 8 fake devices: a 2-slice mesh (4 devices a slice) splits the batch over the
+    slices and keeps every parameter whole across them (fsdp within a slice: 1/4 of the bytes per
+    device, against 1/8 on one 8-device slice); three steps of dp and of fsdp give the 1-slice
+    losses to 1e-6 and its matrices to float rounding (AdamW scalars: see sharding_worker.py)."""
+    r = subprocess.run([sys.executable, "-c", _SLICES], cwd=ROOT, env=_worker_env(8), capture_output=True,
+                       text=True, timeout=380)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = _result(r.stdout)
+    assert res["dp2"]["mesh"] == {"slice": 2, "data": 4, "fsdp": 1, "tensor": 1}
+    assert res["fsdp2"]["mesh"] == {"slice": 2, "data": 1, "fsdp": 4, "tensor": 1}
+    for layout in ("dp", "fsdp"):
+        one, two = res[layout + "1"], res[layout + "2"]
+        assert two["losses"] == pytest.approx(one["losses"], rel=1e-6), (layout, one["losses"], two["losses"])
+        assert one["x_shards"] == two["x_shards"] == 8  # the batch is split over all 8 devices either way
+        assert res[layout + "_matrices_allclose"] and res[layout + "_allclose"], res
+    assert res["dp1"]["kernel_shards"] == res["dp2"]["kernel_shards"] == 1  # replicated
+    assert res["fsdp1"]["kernel_shards"] == 8 and res["fsdp2"]["kernel_shards"] == 4  # whole across slices
+    assert res["fsdp2"]["param_bytes_per_device"] == pytest.approx(2 * res["fsdp1"]["param_bytes_per_device"], rel=0.05)
