@@ -214,3 +214,9 @@ def already_complete(run_dir: str, step: int | None, steps: int) -> dict | None:
     except (OSError, ValueError):
         return None  # a marker that does not read: finish the record again
     return record if isinstance(record, dict) and record.get("step") == step else None
+
+
+def complete_line(run_dir: str, step: int) -> str:
+    """What a rerun of a finished run says (`already_complete`), the same for every stage."""
+    return (f"complete: {run_dir} finished at step {step:,} (its COMPLETE); nothing to train, nothing rewritten. "
+            "A larger --steps trains further; --fresh starts over.")

@@ -116,7 +116,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.optim import OptimConfig, Schedule, make_optimizer, scaling
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
-    from flaxchat.stage import StopOnSignal, already_complete, barrier, finish, open_checkpoints
+    from flaxchat.stage import StopOnSignal, already_complete, barrier, complete_line, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.tokenizer import texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
@@ -206,8 +206,7 @@ def _run(tc: TrainConfig) -> dict:
     done = already_complete(tc.run_dir, resume_step, steps)
     if done is not None:  # a rerun of a finished run: its record stays as the run that trained wrote it
         checkpointer.close()
-        print0(f"complete: {tc.run_dir} finished at step {resume_step:,} (its COMPLETE); nothing to train, "
-               "nothing rewritten. A larger --steps trains further; --fresh starts over.")
+        print0(complete_line(tc.run_dir, resume_step))
         return dict(done, is_main=compute.is_main, already_complete=True)
 
     # --- optimizer ------------------------------------------------------------------------------

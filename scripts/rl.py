@@ -100,7 +100,7 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.rates import StepRate
     from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.stage import StopOnSignal
+    from flaxchat.stage import StopOnSignal, already_complete, complete_line
     from flaxchat.tools import calculate
     from flaxchat.train import policy_step
 
@@ -110,6 +110,11 @@ def _run(cfg: RLConfig) -> dict:
     stage = open_stage(cfg.base, cfg.run_dir, name="rl", steps=cfg.steps, fresh=cfg.fresh, dtype=cfg.dtype,
                        sharding=cfg.sharding, keep=cfg.keep_checkpoints, log=print0,
                        optim=StageOptim(lr_frac=cfg.lr_frac))
+    done = already_complete(cfg.run_dir, stage.step, cfg.steps)
+    if done is not None:  # a rerun of a finished run: its record stays as the run that trained wrote it
+        stage.checkpointer.close()
+        print0(complete_line(cfg.run_dir, stage.step))
+        return dict(done, is_main=stage.compute.is_main, already_complete=True)
     model, tokenizer, compute = stage.model, stage.tokenizer, stage.compute
     T = model.config.sequence_len
     if cfg.samples % compute.device_count:

@@ -102,7 +102,7 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.rates import StepRate
     from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.stage import StopOnSignal
+    from flaxchat.stage import StopOnSignal, already_complete, complete_line
     from flaxchat.train import StepLoop, loss_sum
 
     t_start = time.time()
@@ -125,6 +125,11 @@ def _run(cfg: SFTConfig) -> dict:
                        sharding=cfg.sharding, keep=cfg.keep_checkpoints, log=print0,
                        optim=StageOptim(lr_frac=cfg.lr_frac, warmdown_ratio=cfg.warmdown_ratio,
                                         weight_decay=cfg.weight_decay, from_base_optimizer=cfg.from_base_optimizer))
+    done = already_complete(cfg.run_dir, stage.step, steps)
+    if done is not None:  # a rerun of a finished run: its record stays as the run that trained wrote it
+        stage.checkpointer.close()
+        print0(complete_line(cfg.run_dir, stage.step))
+        return dict(done, is_main=stage.compute.is_main, already_complete=True)
     model, tokenizer, compute = stage.model, stage.tokenizer, stage.compute
     T = model.config.sequence_len
     streams = local_streams(compute)

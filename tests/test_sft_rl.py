@@ -281,6 +281,12 @@ def test_sft_trains_resumes_exactly_and_reports(base, tmp_path):
     # The result opens like any run (tokenizer copied next to the checkpoints).
     model, tok, _ = load_model(run)
     assert tok.vocab_size == model.config.vocab_size
+    # Run again once finished: it says so and rewrites nothing of the run's record.
+    record = {f: (run / f).read_bytes() for f in ("report.md", "COMPLETE", "metrics.jsonl")}
+    p = _run("sft", "--base", str(base), "--run-dir", str(run), *SFT_ARGS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "complete: " in p.stdout and "nothing rewritten" in p.stdout and "val loss" not in p.stdout
+    assert {f: (run / f).read_bytes() for f in record} == record
 
 
 @pytest.mark.slow
