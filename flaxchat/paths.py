@@ -418,6 +418,7 @@ class RunFolder:
         <root>/report.md, loss.png, samples.txt, eval.json
         <root>/export/               model.pkl, weights.npz, model.stablehlo, tokenizer/ (scripts.export)
         <root>/COMPLETE              written last, by process 0: the stage finished (what launchers wait for)
+        <root>/run.lock              who is writing here now (flaxchat.run_lock; only while a stage runs)
     """
 
     CHECKPOINTS = "checkpoints"
@@ -430,6 +431,7 @@ class RunFolder:
     SAMPLES = "samples.txt"
     EVAL = "eval.json"
     EXPORT = "export"
+    LOCK = "run.lock"
     # Orbax writes one sub-folder per item of a step; `meta` is the one every flaxchat step has.
     STEP_META = "meta"
 
@@ -459,6 +461,7 @@ class RunFolder:
     samples = property(lambda self: self.path(self.SAMPLES))
     eval = property(lambda self: self.path(self.EVAL))
     export = property(lambda self: self.path(self.EXPORT))
+    lock = property(lambda self: self.path(self.LOCK))
 
     @classmethod
     def is_step(cls, folder: str) -> bool:
