@@ -87,7 +87,8 @@ class Stage:
 
     def save(self, step: int, **meta) -> None:
         self.checkpointer.save(step, self.model, self.optimizer,
-                               dict(meta, model_config=self.model.config.to_dict(), optim_config=self.base_lrs))
+                               dict(meta, model_config=self.model.config.to_dict(), optim_config=self.base_lrs,
+                                    tokenizer=self.tokenizer.fingerprint()))
 
     def loader_states(self, streams: list[int]) -> list | None:
         """The resumed checkpoint's loader states for this job's streams, resharded when the job
@@ -168,12 +169,17 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     paths.check_writable(run_dir)
     compute = compute_init(dtype)
     cfg, tokenizer, base_meta = read_run(base)
+    tokenizer.check_matches(base_meta.get("tokenizer"), f"the checkpoint of --base {base}",
+                            "put back the tokenizer folder that run was trained with.")
     ckpt_dir = paths.RunFolder(run_dir).checkpoints
     checkpointer, resume, meta = open_checkpoints(run_dir, fresh=fresh, keep=keep, is_main=compute.is_main,
                                                   log=log, name=name)
     if meta is not None and GPTConfig.from_dict(meta["model_config"]) != cfg:
         raise UserError(f"{run_dir} holds a checkpoint of a different model than {base}; "
                         "use --fresh or another --run-dir.")
+    if meta is not None:
+        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {run_dir}",
+                                "resume from the --base it started from, or use --fresh or another --run-dir.")
     if compute.is_main:
         with paths.local_copy(paths.RunFolder(run_dir).tokenizer) as local:
             tokenizer.save(local)

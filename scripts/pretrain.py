@@ -116,7 +116,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.rates import Peak, StepRate
     from flaxchat.stage import StopOnCtrlC, barrier, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
-    from flaxchat.tokenizer import texts_of, train_or_load
+    from flaxchat.tokenizer import fingerprint_beside, texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
 
     t_start = time.time()
@@ -163,6 +163,11 @@ def _run(tc: TrainConfig) -> dict:
         if saved != model_cfg:
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
+        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {tc.run_dir}",
+                                "resume with the tokenizer it was trained with, or use --fresh or another --run-dir.")
+    if tc.init_from and meta is None:
+        tokenizer.check_matches(fingerprint_beside(tc.init_from), f"--init-from {tc.init_from}",
+                                "train with the tokenizer saved beside it (--tokenizer-dir).")
     def make_model():
         model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype, kernels=compute.kernels)
         if tc.init_from and meta is None:
@@ -262,7 +267,8 @@ def _run(tc: TrainConfig) -> dict:
         step_fn.sync()
         checkpointer.save(at_step, model, optimizer, dict(
             model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
-            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg)))
+            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg),
+            tokenizer=tokenizer.fingerprint()))
 
     def evaluate():
         step_fn.sync()

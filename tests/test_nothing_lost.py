@@ -370,3 +370,42 @@ def test_the_body_limit_is_a_flag_with_help(capsys):
     assert "--max-body-bytes" in capsys.readouterr().out
     code, cap = _cli(chat_web.main, ["-i", "x", "--max-body-bytes", "0"], capsys)
     assert code == 2 and "--max-body-bytes" in cap.err
+
+
+# --- the run remembers its tokenizer -------------------------------------------------------------------
+
+
+def test_another_tokenizer_of_the_same_size_is_one_sentence(tmp_path):
+    # Resuming with another tokenizer of the same vocabulary size used to be accepted (the loss went
+    # from 1.09 to 5.91 with no word): the checkpoint records the tokenizer's fingerprint.
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.tokenizer import Tokenizer, fingerprint_beside
+    run, own, other = tmp_path / "run", tmp_path / "own", tmp_path / "other"
+    base = [*TINY, "--eval-every=0", f"--run-dir={run}"]
+    r = _pretrain([*base, f"--tokenizer-dir={own}", "--steps=2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    Tokenizer.train((StoriesCorpus(seed=7).doc(i) for i in range(300)), 300).save(other)
+    assert Tokenizer.load(other).vocab_size == Tokenizer.load(own).vocab_size
+    assert Tokenizer.load(other).fingerprint() != Tokenizer.load(own).fingerprint()
+    r = _pretrain([*base, f"--tokenizer-dir={other}", "--steps=4"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"the checkpoint in {run} was trained with another tokenizer" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    # --base: a finetuning stage on a run whose tokenizer folder was replaced.
+    Tokenizer.load(other).save(run / "tokenizer")
+    sft = subprocess.run([sys.executable, "-m", "scripts.sft", f"--base={run}", f"--run-dir={tmp_path / 'sft'}",
+                          "--steps=1"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert sft.returncode == 2 and f"the checkpoint of --base {run} was trained with another tokenizer" in sft.stderr, \
+        sft.stderr[-2000:]
+    # --init-from: the weights of a run whose tokenizer is not this run's.
+    assert fingerprint_beside(str(run)) == Tokenizer.load(other).fingerprint()
+    r = _pretrain([*TINY, "--eval-every=0", f"--run-dir={tmp_path / 'init'}", f"--tokenizer-dir={own}",
+                   f"--init-from={run}", "--steps=1"])
+    assert r.returncode == 2 and f"--init-from {run} was trained with another tokenizer" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_checkpoint_from_before_fingerprints_is_taken_as_it_is():
+    from flaxchat.tokenizer import Tokenizer
+    tok = Tokenizer.train(["a b c d e f g"] * 10, 270)
+    tok.check_matches(None, "an old checkpoint", "")  # no fingerprint recorded: no refusal
+    tok.check_matches(tok.fingerprint(), "this checkpoint", "")
