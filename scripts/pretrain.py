@@ -319,13 +319,19 @@ def _run(tc: TrainConfig) -> dict:
             ctrl_c.stop_here(step, checkpointer, save)
             x, y = next_batch()
             t0 = time.time()
-            loss = step_fn(x, y)
+            try:
+                loss = step_fn(x, y)
+                if compile_s is None:
+                    loss.block_until_ready()  # the first step allocates everything: out of memory shows here
+            except Exception as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                raise out_of_memory(e, tc, model_cfg, n_params, compute) from None
             step += 1
             if progress.due():
                 loss.block_until_ready()  # progress means a finished step, not a dispatched one
                 progress.update(step, loss=float(loss), tok_s=tps)
             if compile_s is None:
-                loss.block_until_ready()
                 compile_s = time.time() - t0
                 t_window, tokens_window, t_loop = time.time(), 0, time.time()
                 t_rate, step_rate_from = time.time(), step
@@ -411,6 +417,22 @@ def _run(tc: TrainConfig) -> dict:
 # nanochat 2.15) and the rule ended at 2.13-2.14 (two seeds); on one read 1.3 times the LRs as given ended 0.12 below
 # the rule; on Vim's help files (~0.3 passes) and the built-in stories, 0.2 and 0.1 below.
 REPEAT_PASSES = 2.0
+
+
+def out_of_memory(e: Exception, tc: TrainConfig, model_cfg, n_params: int, compute) -> UserError:
+    """The one sentence for an XLA RESOURCE_EXHAUSTED in the train step: the sizes and what to change."""
+    import re
+    from flaxchat.sharding import device_memory_bytes
+    asked = re.search(r"(\d{7,}) bytes", str(e))
+    limit = device_memory_bytes()
+    failed = f"an allocation of {int(asked.group(1)) / 2**30:.1f} GiB failed" if asked else "an allocation failed"
+    has = f" on devices of {limit / 2**30:.1f} GiB" if limit else ""
+    return UserError(
+        f"out of memory in the train step ({failed}{has}) at --device-batch-size {tc.device_batch_size} x "
+        f"--sequence-len {tc.sequence_len} on depth {model_cfg.n_layer} ({n_params:,} parameters, "
+        f"{compute.device_count} device(s)); lower --device-batch-size (gradient accumulation keeps "
+        f"--total-batch-size){'' if tc.grad_checkpoint else ' or add --grad-checkpoint'}, and check a configuration "
+        "first with `python -m bench.scale --topology ...`. Nothing was saved.")
 
 
 def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None) -> bool:

@@ -409,3 +409,34 @@ def test_a_checkpoint_from_before_fingerprints_is_taken_as_it_is():
     tok = Tokenizer.train(["a b c d e f g"] * 10, 270)
     tok.check_matches(None, "an old checkpoint", "")  # no fingerprint recorded: no refusal
     tok.check_matches(tok.fingerprint(), "this checkpoint", "")
+
+
+# --- out of memory is one sentence ---------------------------------------------------------------------
+
+_CAPPED_PRETRAIN = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # XLA's CPU client then fails as a full HBM does
+from flaxchat.errors import cli_main
+from scripts.pretrain import main
+sys.exit(cli_main(main, sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_one_sentence_and_the_next_run_trains(tmp_path):
+    # The issue's case was a raw `JaxRuntimeError: RESOURCE_EXHAUSTED ... 62530539144 bytes`.
+    run = tmp_path / "run"
+    big = [a for a in TINY if not a.startswith(("--device-batch-size", "--total-batch-size"))]
+    r = subprocess.run([sys.executable, "-c", _CAPPED_PRETRAIN, *big, "--device-batch-size=32768",
+                        "--total-batch-size=1048576", "--eval-every=0", f"--run-dir={run}", "--steps=2"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error: out of memory in the train step (an allocation of ")
+    for words in ("--device-batch-size 32768 x --sequence-len 32", "lower --device-batch-size", "--grad-checkpoint",
+                  "bench.scale --topology"):
+        assert words in err
+    assert not os.listdir(run / "checkpoints")
+    # Nothing left behind trips the next run: a batch that fits trains in the same folder.
+    r = _pretrain([*TINY, "--eval-every=0", f"--run-dir={run}", "--steps=1"])
+    assert r.returncode == 0, r.stderr[-2000:]
