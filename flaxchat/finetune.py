@@ -14,6 +14,7 @@ and the chat scripts open the result like any run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable
 
@@ -50,8 +51,8 @@ class StageConfig(RunConfig):
         if not self.base:
             raise UserError(f"--base is required: the run folder of {what}.")
         self.validate_run()
-        if self.lr_frac <= 0:
-            raise UserError(f"--lr-frac must be positive (got {self.lr_frac}).")
+        if not (math.isfinite(self.lr_frac) and self.lr_frac > 0):
+            raise UserError(f"--lr-frac must be a positive finite number (got {self.lr_frac}).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,7 @@ HELP = {
     "log_every": "steps between progress lines",
     "seed": "seed of the initialisation and the data order",
     "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
+    "text_field": "the .jsonl field or parquet column that holds the text (a hub --data sets it with ?field=)",
     "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
     "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
     "num_samples": "stories sampled at each --sample-every and at the end",
@@ -132,8 +133,8 @@ def _run(tc: TrainConfig) -> dict:
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 
     # --- data sources and tokenizer -----------------------------------------------------------
-    train_src = resolve_source(tc.data, split="train", seed=tc.seed)
-    val_src = resolve_source(tc.data, split="val", seed=tc.seed)
+    train_src = resolve_source(tc.data, split="train", seed=tc.seed, field=tc.text_field)
+    val_src = resolve_source(tc.data, split="val", seed=tc.seed, field=tc.text_field)
     print0(f"data: {train_src.name}")
     run = paths.RunFolder(tc.run_dir)  # the layout of what this stage writes
     tok_dir = tc.tokenizer_dir or run.tokenizer
