@@ -448,13 +448,24 @@ def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None
 def estimated_passes(source, tokenizer, tokens: int, seq_len: int, sample: int = 256) -> float | None:
     """How many times `tokens` of training read `source`, from up to `sample` of its documents
     spread over it, each counted as the loader packs it (BOS + tokens, cut at a row of seq_len + 1).
-    None for a streamed corpus (parquet shards), whose size is not known without reading it all."""
-    from flaxchat.data.loader import is_streaming
+    A streamed corpus (parquet shards) counts its documents from the files' footers and samples
+    them from up to 8 row groups spread over it, each read once; None only for an empty corpus."""
+    from flaxchat.data.loader import _cut, is_streaming
     n = len(source)
-    if is_streaming(source) or n == 0:
+    if n == 0:
         return None
-    picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
-    sizes = [min(len(ids) + 1, seq_len + 1) for ids in tokenizer.encode([source.doc(i) for i in picks])]
+    if is_streaming(source):
+        groups = min(8, source.num_units)
+        units = sorted({g * (source.num_units - 1) // max(groups - 1, 1) for g in range(groups)})
+        per = max(1, sample // len(units))
+        picks = sorted({source.units[u].start + k * (source.units[u].rows - 1) // max(per - 1, 1)
+                        for u in units for k in range(min(per, source.units[u].rows))})
+        texts = source.doc_batch(picks)
+    else:
+        picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
+        texts = [source.doc(i) for i in picks]
+    # Only a row's worth of each document counts, so a long one is tokenized only that far.
+    sizes = [min(len(ids) + 1, seq_len + 1) for ids in tokenizer.encode([_cut(t, seq_len + 1) for t in texts])]
     return tokens / (n * sum(sizes) / len(sizes))
 
 
