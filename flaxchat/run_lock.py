@@ -99,6 +99,7 @@ class RunLock:
         self.started = now()
         self._fd: int | None = None
         self._stop = threading.Event()
+        self._io = threading.Lock()  # a heartbeat never writes through a descriptor release() closed
         self._thread: threading.Thread | None = None
 
     def record(self) -> dict:
@@ -107,7 +108,7 @@ class RunLock:
 
     def refusal(self, record: dict) -> UserError:
         return UserError(f"the run folder {self.run_dir} is in use by another run: {describe(record, self.now())}; "
-                         "wait for it to finish, stop it, or give this run another --run-dir")
+                         "wait for it to finish, stop it, or give this run another --run-dir.")
 
     @classmethod
     def acquire(cls, run_dir: str, log: Callable[[str], None] | None = print,
@@ -192,18 +193,21 @@ class RunLock:
     def beat(self) -> None:
         """Refresh the heartbeat. On an object store a record that is no longer ours means another
         writer took the folder over: this run stops writing (KeyboardInterrupt in the main thread)."""
-        if self._fd is not None:
-            self._write_local()
-            return
-        record = self._read_remote()
-        if record is None or record.get("token") != self.token:
-            import _thread
-            print(f"run folder {self.run_dir}: another run took it over ({describe(record or {}, self.now())}); "
-                  "this run stops writing there", flush=True)
+        with self._io:  # release() waits for a beat in flight, so a released lock is never written back
+            if self._stop.is_set():
+                return
+            if self._fd is not None:
+                self._write_local()
+                return
+            record = self._read_remote()
+            if record is not None and record.get("token") == self.token:
+                paths.write_json(self.path, self.record())
+                return
             self._stop.set()
-            _thread.interrupt_main()
-            return
-        paths.write_json(self.path, self.record())
+        import _thread
+        print(f"run folder {self.run_dir}: another run took it over ({describe(record or {}, self.now())}); "
+              "this run stops writing there", flush=True)
+        _thread.interrupt_main()
 
     def release(self) -> None:
         """Give the folder up (idempotent): the lock file is removed while still held."""
@@ -212,12 +216,13 @@ class RunLock:
                 return
             del _held[self.path]
         self._stop.set()
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.abspath(self.path))
-            os.close(self._fd)
-            self._fd = None
-        else:
+        with self._io:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.abspath(self.path))
+                os.close(fd)
+                return
             with contextlib.suppress(Exception):
                 record = self._read_remote()
                 if record and record.get("token") == self.token:
