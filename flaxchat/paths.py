@@ -381,7 +381,7 @@ def _probe(folder: str, advice: str, what: str = "") -> None:
     except OSError as e:  # local: permission, read-only file system, a file where the folder should be
         reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
         if not is_remote(folder) and _dangling(folder):
-            reason = f"{_dangling(folder)} is a symbolic link that leads nowhere (a loop, or its target is missing)"
+            reason = f"{_dangling(folder)} is a symbolic link that leads nowhere: a loop, or its target is missing"
         raise UserError(f"cannot write to {what}{folder} ({reason}); {advice}") from None
 
 

@@ -522,7 +522,7 @@ def test_a_run_folder_that_is_a_symlink_loop_is_named_as_one(tmp_path, capsys):
     loop.symlink_to(loop)
     assert cli_main(pretrain.main, [*TINY, f"--run-dir={loop}", "--steps=1"]) == 2
     err = capsys.readouterr().err
-    assert f"{loop} is a symbolic link that leads nowhere (a loop, or its target is missing)" in err
+    assert f"{loop} is a symbolic link that leads nowhere: a loop, or its target is missing" in err
     assert "File exists" not in err
 
 
