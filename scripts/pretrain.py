@@ -450,7 +450,7 @@ def estimated_passes(source, tokenizer, tokens: int, seq_len: int, sample: int =
     spread over it, each counted as the loader packs it (BOS + tokens, cut at a row of seq_len + 1).
     A streamed corpus (parquet shards) counts its documents from the files' footers and samples
     them from up to 8 row groups spread over it, each read once; None only for an empty corpus."""
-    from flaxchat.data.loader import _cut, is_streaming
+    from flaxchat.data.loader import cut_document, is_streaming
     n = len(source)
     if n == 0:
         return None
@@ -465,7 +465,8 @@ def estimated_passes(source, tokenizer, tokens: int, seq_len: int, sample: int =
         picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
         texts = [source.doc(i) for i in picks]
     # Only a row's worth of each document counts, so a long one is tokenized only that far.
-    sizes = [min(len(ids) + 1, seq_len + 1) for ids in tokenizer.encode([_cut(t, seq_len + 1) for t in texts])]
+    ids = tokenizer.encode([cut_document(t, seq_len + 1) for t in texts])
+    sizes = [min(len(i) + 1, seq_len + 1) for i in ids]
     return tokens / (n * sum(sizes) / len(sizes))
 
 

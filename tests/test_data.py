@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flaxchat.data import sources
-from flaxchat.data.loader import PackingLoader, _cut, cut_chars
+from flaxchat.data.loader import PackingLoader, cut_document, cut_chars
 from flaxchat.data.sources import held_out_count, parse_hub_spec, resolve_source, select_hub_files
 from flaxchat.data.stories import StoriesCorpus, story
 from flaxchat.errors import UserError
@@ -448,7 +448,7 @@ def test_cut_document_keeps_the_tokens_of_the_whole_text(small_tok):
     words = ["the", "cat's", "12345", "3.14", "--", "?!", "naïve", "東京", "x\ny", "'ll", "(a)", "\t"]
     text = " ".join(rng.choice(words, size=40_000).tolist())
     for capacity in (65, 257, 2049):
-        cut = _cut(text, capacity)
+        cut = cut_document(text, capacity)
         assert len(cut) <= cut_chars(capacity) and len(cut) > cut_chars(capacity) - 4096
         tokens = small_tok.encode(cut)
         assert len(tokens) > capacity and small_tok.encode(text)[:len(tokens)] == tokens
@@ -463,7 +463,8 @@ def test_repetition_estimate_on_a_streamed_parquet_corpus(small_tok, tmp_path):
     from scripts.pretrain import REPEAT_PASSES, batch_scaling_applies, estimated_passes
     docs = [story(0, i) for i in range(600)]
     for f in range(3):
-        pq.write_table(pa.table({"text": docs[f * 200:(f + 1) * 200]}), tmp_path / f"part{f}.parquet", row_group_size=17)
+        pq.write_table(pa.table({"text": docs[f * 200:(f + 1) * 200]}), tmp_path / f"part{f}.parquet",
+                       row_group_size=17)
     (tmp_path / "same.txt").write_text("\n\n".join(docs) + "\n")
     streamed = resolve_source(str(tmp_path / "*.parquet"))
     indexed = resolve_source(str(tmp_path / "same.txt"))

@@ -499,7 +499,8 @@ def test_a_client_dropping_mid_stream_leaves_no_traceback_and_the_next_is_served
 # --- the remaining rows: each one sentence -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag", ["--matrix-lr=nan", "--embedding-lr=inf", "--scalar-lr=-0.1", "--param-data-ratio=nan"])
+@pytest.mark.parametrize("flag", ["--matrix-lr=nan", "--embedding-lr=inf", "--scalar-lr=-0.1",
+                                  "--param-data-ratio=nan"])
 def test_non_finite_or_negative_rates_are_refused_when_the_flags_are_read(flag, tmp_path, capsys):
     # --matrix-lr=nan used to train 5 steps and then say "the loss became nan".
     from scripts import pretrain

@@ -131,7 +131,8 @@ def _remote_lock(tmp_path, monkeypatch, record: dict):
 
 def test_a_preempted_vm_is_recognised_by_its_heartbeat(tmp_path, monkeypatch):
     now = time.time()
-    gone = {"host": "vm-preempted", "boot": "x", "pid": 4242, "started": now - 3600, "heartbeat": now - 400, "token": "a"}
+    gone = {"host": "vm-preempted", "boot": "x", "pid": 4242, "started": now - 3600, "heartbeat": now - 400,
+            "token": "a"}
     gcs, lock_path = _remote_lock(tmp_path, monkeypatch, gone)
     said = []
     lock = run_lock.RunLock.acquire("gs://bk/run", log=said.append, heartbeat=False)

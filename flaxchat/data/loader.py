@@ -51,7 +51,7 @@ def cut_chars(capacity: int) -> int:
 _WORD_GAP = re.compile(r"(?<=\S) (?=\S)")
 
 
-def _cut(text: str, capacity: int) -> str:
+def cut_document(text: str, capacity: int) -> str:
     """`text` up to `cut_chars(capacity)` characters, ended at a single space between two words
     (the split pattern ends a piece there, so the tokens before it are those of the whole text)."""
     limit = cut_chars(capacity)
@@ -134,7 +134,8 @@ class PackingLoader:
                 continue
             wrapped_empty = False
             index, text = item[0], item[1]
-            out.append((index, None if text is None or index in self._tokens else _cut(text, self.capacity)))
+            known = text is None or index in self._tokens  # read later, or buffered already
+            out.append((index, None if known else cut_document(text, self.capacity)))
             self.cursor = item[2]
         return out
 
@@ -160,7 +161,7 @@ class PackingLoader:
         new = {i: t for i, t in items if i not in self._tokens}
         missing = [i for i, t in new.items() if t is None]
         if missing:
-            new.update(zip(missing, (_cut(t, self.capacity) for t in self._fetch(missing))))
+            new.update(zip(missing, (cut_document(t, self.capacity) for t in self._fetch(missing))))
         self._tokenize(new)
         for index, _ in items:
             entry = self._tokens[index]
