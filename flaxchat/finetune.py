@@ -52,7 +52,7 @@ class StageConfig(RunConfig):
             raise UserError(f"--base is required: the run folder of {what}.")
         self.validate_run()
         if not (math.isfinite(self.lr_frac) and self.lr_frac > 0):
-            raise UserError(f"--lr-frac must be a positive finite number (got {self.lr_frac}).")
+            raise UserError(f"--lr-frac must be positive and finite (got {self.lr_frac}).")
 
 
 @dataclasses.dataclass(frozen=True)

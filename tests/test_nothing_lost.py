@@ -513,7 +513,7 @@ def test_non_finite_or_negative_rates_are_refused_when_the_flags_are_read(flag, 
 def test_sft_lr_frac_nan_is_refused(tmp_path, capsys):
     from scripts import sft
     assert cli_main(sft.main, ["--base=x", f"--run-dir={tmp_path}", "--lr-frac=nan"]) == 2
-    assert "--lr-frac must be a positive finite number (got nan)" in capsys.readouterr().err
+    assert "--lr-frac must be positive and finite (got nan)" in capsys.readouterr().err
 
 
 def test_a_run_folder_that_is_a_symlink_loop_is_named_as_one(tmp_path, capsys):
