@@ -227,7 +227,7 @@ class TrainConfig(RunConfig):
                    scalar_lr=self.scalar_lr, weight_decay=self.weight_decay)
         for name, value in lrs.items():
             if not math.isfinite(value) or value < 0:  # a negative rate climbs the loss; nan trains to nan
-                raise UserError(f"--{name.replace('_', '-')} must be a finite number, 0 or more (got {value}).")
+                raise UserError(f"--{name.replace('_', '-')} must be 0 or more and finite (got {value}).")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise UserError(f"--adam-beta1 and --adam-beta2 must lie in [0, 1) (got {self.adam_beta1}, {self.adam_beta2}).")
         if not (math.isfinite(self.param_data_ratio) and self.param_data_ratio > 0):
