@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Mapping
@@ -162,6 +163,7 @@ class TrainConfig(RunConfig):
     """Everything about a pretraining run except the model shape. Flags: --kebab-case of each field."""
 
     data: str = "stories"  # 'stories' (built-in), a path/glob of .txt/.jsonl/.parquet, or hf:owner/name
+    text_field: str = "text"  # the .jsonl field / parquet column holding the text
     depth: int = 4
     sequence_len: int = 256
     vocab_size: int = 4096
@@ -227,11 +229,11 @@ class TrainConfig(RunConfig):
         lrs = dict(matrix_lr=self.matrix_lr, embedding_lr=self.embedding_lr, unembedding_lr=self.unembedding_lr,
                    scalar_lr=self.scalar_lr, weight_decay=self.weight_decay)
         for name, value in lrs.items():
-            if value < 0:  # a negative rate climbs the loss
-                raise UserError(f"--{name.replace('_', '-')} must be 0 or more (got {value}).")
+            if not math.isfinite(value) or value < 0:  # a negative rate climbs the loss; nan trains to nan
+                raise UserError(f"--{name.replace('_', '-')} must be 0 or more and finite (got {value}).")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise UserError(f"--adam-beta1 and --adam-beta2 must lie in [0, 1) (got {self.adam_beta1}, {self.adam_beta2}).")
-        if self.param_data_ratio <= 0:
+        if not (math.isfinite(self.param_data_ratio) and self.param_data_ratio > 0):
             raise UserError(f"--param-data-ratio must be positive (got {self.param_data_ratio}).")
         if self.eval_tokens < 1 or self.num_samples < 0:
             raise UserError("--eval-tokens must be at least 1 and --num-samples 0 or more.")

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from typing import Any, Callable, Iterable
 
 from flaxchat import paths
+from flaxchat.errors import UserError
 
 
 class MetricsLog:
@@ -30,11 +32,24 @@ class MetricsLog:
         self._text: list[str] | None = None  # remote: the file's lines, uploaded whole on flush
         self._dirty = False
         self._flushed_at = float("-inf")
+        if not self._remote and os.path.islink(path):
+            raise self._link()
+
+    def _link(self) -> UserError:
+        return UserError(f"{self.path} is a symbolic link (to {os.readlink(self.path)}); a run writes its own "
+                         "metrics there and never through a link into another file: remove the link.")
 
     def append(self, **entry) -> None:
         line = json.dumps(entry) + "\n"
         if not self._remote:
-            with paths.open_file(self.path, "a") as f:
+            # O_NOFOLLOW: a link put there while the run trains is refused too, not written through.
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except OSError as e:
+                if os.path.islink(self.path):
+                    raise self._link() from None
+                raise
+            with os.fdopen(fd, "a") as f:
                 f.write(line)
             return
         if self._text is None:

@@ -69,6 +69,7 @@ HELP = {
     "log_every": "steps between progress lines",
     "seed": "seed of the initialisation and the data order",
     "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
+    "text_field": "the .jsonl field or parquet column that holds the text (a hub --data sets it with ?field=)",
     "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
     "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
     "num_samples": "stories sampled at each --sample-every and at the end",
@@ -118,7 +119,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.rates import Peak, StepRate
     from flaxchat.stage import StopOnSignal, already_complete, barrier, complete_line, finish, open_checkpoints
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
-    from flaxchat.tokenizer import texts_of, train_or_load
+    from flaxchat.tokenizer import fingerprint_beside, texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
 
     t_start = time.time()
@@ -134,8 +135,8 @@ def _run(tc: TrainConfig) -> dict:
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 
     # --- data sources and tokenizer -----------------------------------------------------------
-    train_src = resolve_source(tc.data, split="train", seed=tc.seed)
-    val_src = resolve_source(tc.data, split="val", seed=tc.seed)
+    train_src = resolve_source(tc.data, split="train", seed=tc.seed, field=tc.text_field)
+    val_src = resolve_source(tc.data, split="val", seed=tc.seed, field=tc.text_field)
     print0(f"data: {train_src.name}")
     run = paths.RunFolder(tc.run_dir)  # the layout of what this stage writes
     tok_dir = tc.tokenizer_dir or run.tokenizer
@@ -165,6 +166,11 @@ def _run(tc: TrainConfig) -> dict:
         if saved != model_cfg:
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
+        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {tc.run_dir}",
+                                "resume with the tokenizer it was trained with, or use --fresh or another --run-dir.")
+    if tc.init_from and meta is None:
+        tokenizer.check_matches(fingerprint_beside(tc.init_from), f"--init-from {tc.init_from}",
+                                "train with the tokenizer saved beside it (--tokenizer-dir).")
     def make_model():
         model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype, kernels=compute.kernels)
         if tc.init_from and meta is None:
@@ -269,7 +275,8 @@ def _run(tc: TrainConfig) -> dict:
         step_fn.sync()
         checkpointer.save(at_step, model, optimizer, dict(
             model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
-            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg)))
+            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg),
+            tokenizer=tokenizer.fingerprint()))
 
     def evaluate():
         step_fn.sync()
@@ -321,13 +328,19 @@ def _run(tc: TrainConfig) -> dict:
             notice.stop_here(step, checkpointer, save)
             x, y = next_batch()
             t0 = time.time()
-            loss = step_fn(x, y)
+            try:
+                loss = step_fn(x, y)
+                if compile_s is None:
+                    loss.block_until_ready()  # the first step allocates everything: out of memory shows here
+            except Exception as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                raise out_of_memory(e, tc, model_cfg, n_params, compute) from None
             step += 1
             if progress.due():
                 loss.block_until_ready()  # progress means a finished step, not a dispatched one
                 progress.update(step, loss=float(loss), tok_s=tps)
             if compile_s is None:
-                loss.block_until_ready()
                 compile_s = time.time() - t0
                 t_window, tokens_window, t_loop = time.time(), 0, time.time()
                 t_rate, step_rate_from = time.time(), step
@@ -443,6 +456,22 @@ def sample_text(story: str) -> str:
 REPEAT_PASSES = 2.0
 
 
+def out_of_memory(e: Exception, tc: TrainConfig, model_cfg, n_params: int, compute) -> UserError:
+    """The one sentence for an XLA RESOURCE_EXHAUSTED in the train step: the sizes and what to change."""
+    import re
+    from flaxchat.sharding import device_memory_bytes
+    asked = re.search(r"(\d{7,}) bytes", str(e))
+    limit = device_memory_bytes()
+    failed = f"an allocation of {int(asked.group(1)) / 2**30:.1f} GiB failed" if asked else "an allocation failed"
+    has = f" on devices of {limit / 2**30:.1f} GiB" if limit else ""
+    return UserError(
+        f"out of memory in the train step ({failed}{has}) at --device-batch-size {tc.device_batch_size} x "
+        f"--sequence-len {tc.sequence_len} on depth {model_cfg.n_layer} ({n_params:,} parameters, "
+        f"{compute.device_count} device(s)); lower --device-batch-size (gradient accumulation keeps "
+        f"--total-batch-size){'' if tc.grad_checkpoint else ' or add --grad-checkpoint'}, and check a configuration "
+        "first with `python -m bench.scale --topology ...`. Nothing was saved.")
+
+
 def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None) -> bool:
     """Whether every LR is scaled by sqrt(B/2^19): always with `on`, never with `off`; with `auto`
     at nanochat's automatic batch (-1, where the rule was made) and, with a batch you give, when
@@ -455,13 +484,25 @@ def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None
 def estimated_passes(source, tokenizer, tokens: int, seq_len: int, sample: int = 256) -> float | None:
     """How many times `tokens` of training read `source`, from up to `sample` of its documents
     spread over it, each counted as the loader packs it (BOS + tokens, cut at a row of seq_len + 1).
-    None for a streamed corpus (parquet shards), whose size is not known without reading it all."""
-    from flaxchat.data.loader import is_streaming
+    A streamed corpus (parquet shards) counts its documents from the files' footers and samples
+    them from up to 8 row groups spread over it, each read once; None only for an empty corpus."""
+    from flaxchat.data.loader import cut_document, is_streaming
     n = len(source)
-    if is_streaming(source) or n == 0:
+    if n == 0:
         return None
-    picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
-    sizes = [min(len(ids) + 1, seq_len + 1) for ids in tokenizer.encode([source.doc(i) for i in picks])]
+    if is_streaming(source):
+        groups = min(8, source.num_units)
+        units = sorted({g * (source.num_units - 1) // max(groups - 1, 1) for g in range(groups)})
+        per = max(1, sample // len(units))
+        picks = sorted({source.units[u].start + k * (source.units[u].rows - 1) // max(per - 1, 1)
+                        for u in units for k in range(min(per, source.units[u].rows))})
+        texts = source.doc_batch(picks)
+    else:
+        picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
+        texts = [source.doc(i) for i in picks]
+    # Only a row's worth of each document counts, so a long one is tokenized only that far.
+    ids = tokenizer.encode([cut_document(t, seq_len + 1) for t in texts])
+    sizes = [min(len(i) + 1, seq_len + 1) for i in ids]
     return tokens / (n * sum(sizes) / len(sizes))
 
 
