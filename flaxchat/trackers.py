@@ -164,11 +164,11 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step, walltime=entry.get("time"))
         for key, lines in texts.items():
             self.writer.add_text(key, "\n\n".join("    " + t.replace("\n", "\n    ") for t in lines), step)
+        self.writer.flush()  # a kill -9 loses no logged step (the writer's own flush is every 30 s)
         if self._remote and self._clock() - self._uploaded_at >= self.upload_every_s:
             self._upload()
 
     def _upload(self) -> None:
-        self.writer.flush()
         for name in sorted(os.listdir(self._local)):
             with open(os.path.join(self._local, name), "rb") as f:
                 paths.write_bytes(paths.join(self.logdir, name), f.read())
