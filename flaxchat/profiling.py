@@ -30,21 +30,26 @@ def parse_steps(text: str) -> tuple[int, int] | None:
 
 
 def device_op_times(folder: str) -> dict[str, float]:
-    """Seconds per operation name summed over the trace's device planes ("XLA Ops" lines); the
-    host's XLA op events where the trace has no device plane (CPU)."""
+    """Seconds per operation name summed over the trace's device planes ("XLA Ops" lines); where the
+    trace has no device plane (CPU), over the host's XLA compute threads ("tf_XLA..." lines), less
+    the runtime's own spans around the ops (ThunkExecutor::Execute, ...: names with '::')."""
     from jax.profiler import ProfileData
     found = sorted(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
     if not found:
         return {}
     data = ProfileData.from_file(found[-1])
+    devices = [p for p in data.planes if p.name.startswith("/device:")]
+
+    def ops(plane, line) -> bool:
+        return line.name == "XLA Ops" if devices else line.name.startswith("tf_XLA")
+
     times: dict[str, float] = {}
-    planes = [p for p in data.planes if p.name.startswith("/device:")] or list(data.planes)
-    for plane in planes:
+    for plane in devices or data.planes:
         for line in plane.lines:
-            if plane.name.startswith("/device:") and line.name != "XLA Ops":
+            if not ops(plane, line):
                 continue
             for event in line.events:
-                if event.name.startswith("$"):  # a Python frame of the host's trace
+                if event.name.startswith("$") or (not devices and "::" in event.name):
                     continue
                 times[event.name] = times.get(event.name, 0.0) + event.duration_ns / 1e9
     return times
