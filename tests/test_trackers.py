@@ -14,6 +14,7 @@ import time
 import pytest
 
 from flaxchat.errors import UserError
+from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
 from test_train import ROOT, TINY, _env, tokenizer_dir  # noqa: F401 (a fixture)
 
 TRACKER_MODULES = ("wandb", "tensorboardX", "tensorboard")
@@ -241,3 +242,27 @@ def test_wandb_and_tensorboard_continue_after_kill9(tmp_path, tokenizer_dir):  #
     assert {"sample/samples/text_summary", "config/text_summary"} <= set(acc.Tags()["tensors"])
     # (its purge spares text: a replayed step can show its samples twice)
     assert sorted({e.step for e in acc.Tensors("sample/samples/text_summary")}) == [8, 16]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_and_rl_log_to_their_trackers(base, tmp_path):  # noqa: F811
+    from test_sft_rl import SFT_ARGS
+    env = _offline_env(tmp_path)
+    sft_run, rl_run = tmp_path / "sft", tmp_path / "rl"
+    for script, run, args in (
+            ("sft", sft_run, [*SFT_ARGS, "--tracker", "tensorboard"]),
+            ("rl", rl_run, ["--steps", "2", "--prompts", "2", "--samples", "2", "--max-new-tokens", "8",
+                            "--eval-every", "1", "--eval-examples", "3", "--log-every", "1", "--tracker", "wandb"])):
+        p = subprocess.run([sys.executable, "-m", f"scripts.{script}", "--base", str(base), "--run-dir", str(run),
+                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    want = _figures(_metrics(sft_run))
+    assert {"train/loss", "train/lrm", "train/tok_per_s", "val/val_loss"} <= set(want)
+    acc = _check_tensorboard(sft_run, want)
+    assert "sample/samples/text_summary" in acc.Tags()["tensors"]  # the greedy replies
+    want = _figures(_metrics(rl_run))
+    assert {"train/loss", "train/reward", "val/pass_at_1"} <= set(want)
+    (session,) = _wandb_sessions(rl_run)
+    assert _wandb_figures(session["rows"], want) == want
+    assert session["config"]["tracker"] == "wandb"
