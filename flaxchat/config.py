@@ -144,6 +144,9 @@ class RunConfig:
     seed: int = 0
     fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
     preempt_grace: float = 25.0  # seconds from SIGTERM to exit, the save included (clouds kill ~30 s after)
+    tracker: str = "none"  # flaxchat.trackers: wandb, tensorboard, none, or a comma list
+    run_name: str = ""  # the trackers' name of the run (default: the run folder's name)
+    profile_steps: str = ""  # A:B: a jax.profiler trace of steps A..B-1 into <run>/profile (flaxchat.profiling)
 
     def validate_run(self, **every: int) -> None:
         """The shared flags' checks; `every` adds a stage's own cadences (--sample-every)."""
@@ -154,6 +157,10 @@ class RunConfig:
             raise UserError(f"--preempt-grace must be more than 0 seconds (got {self.preempt_grace}).")
         if self.log_every < 1:
             raise UserError(f"--log-every must be at least 1 (got {self.log_every}).")
+        from flaxchat.profiling import parse_steps
+        from flaxchat.trackers import check_trackers
+        check_trackers(self.tracker)  # a missing library is one sentence now, not after the model is built
+        parse_steps(self.profile_steps)
         from flaxchat.stage import check_bookkeeping
         check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every, **every)
 
@@ -245,6 +252,17 @@ class TrainConfig(RunConfig):
         return dataclasses.asdict(self)
 
 
+# --help of the flags every training stage has (RunConfig's); a stage's own help text overrides them.
+RUN_HELP = {
+    "tracker": "also log every figure of metrics.jsonl (loss, LR multiplier, tok/s, MFU, validation), sampled "
+               "text and the resolved config to wandb, tensorboard (<run-dir>/tensorboard), both as a comma "
+               "list, or none; a resumed run continues the same W&B run (its id is kept in <run-dir>/trackers.json)",
+    "run_name": "the run's name in the trackers (default: the run folder's name)",
+    "profile_steps": "A:B traces steps A to B-1 with jax.profiler into <run-dir>/profile (TensorBoard or Perfetto) "
+                     "and prints the top device operations, e.g. 10:13",
+}
+
+
 # --- dataclass <-> argparse --------------------------------------------------------------------
 
 def _field_type(cls, field: dataclasses.Field):
@@ -279,6 +297,8 @@ def parse_config(cls, argv, *, prog: str, description: str | None, defaults: Map
                  help: Mapping[str, str] | None = None):
     """A script's config dataclass from its command line (one --kebab-case flag per field), validated."""
     parser = ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if issubclass(cls, RunConfig):
+        help = {**RUN_HELP, **(help or {})}
     add_dataclass_args(parser, cls, defaults, help)
     cfg = dataclass_from_args(cls, parser.parse_args(argv))
     cfg.validate()

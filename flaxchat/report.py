@@ -24,8 +24,10 @@ class MetricsLog:
     that many seconds of lines; a resumed run logs those steps again.
     """
 
-    def __init__(self, path: str, flush_every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, path: str, flush_every_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 trackers: Iterable = ()):
         self.path = path
+        self.trackers = list(trackers)  # flaxchat.trackers: each line appended is also logged to them
         self.flush_every_s = flush_every_s
         self._clock = clock
         self._remote = paths.is_remote(path)
@@ -40,6 +42,7 @@ class MetricsLog:
                          "metrics there and never through a link into another file: remove the link.")
 
     def append(self, **entry) -> None:
+        self.note(**entry)
         line = json.dumps(entry) + "\n"
         if not self._remote:
             # O_NOFOLLOW: a link put there while the run trains is refused too, not written through.
@@ -58,6 +61,17 @@ class MetricsLog:
         self._dirty = True
         if self._clock() - self._flushed_at >= self.flush_every_s:
             self.flush()
+
+    def note(self, **entry) -> None:
+        """To the trackers only (sampled text): not a line of metrics.jsonl."""
+        for tracker in self.trackers:
+            tracker.log(entry)
+
+    def close(self) -> None:
+        self.flush()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def flush(self) -> None:
         if self._dirty:

@@ -118,7 +118,9 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
     from flaxchat.stage import StopOnSignal, already_complete, barrier, complete_line, finish, open_checkpoints
+    from flaxchat.profiling import StepProfiler
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
+    from flaxchat.trackers import open_trackers
     from flaxchat.tokenizer import fingerprint_beside, texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
 
@@ -294,13 +296,16 @@ def _run(tc: TrainConfig) -> dict:
         outs = sample(model, prompts, max_new=min(120, T - 8), seed=tc.seed + step)
         return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
 
-    metrics = MetricsLog(run.metrics)
+    config = dict(model=model_cfg.to_dict(), train=tc.to_dict(), steps=steps, total_batch_size=total,
+                  grad_accum=grad_accum, data=train_src.name)
+    metrics = MetricsLog(run.metrics, trackers=open_trackers(  # --tracker: every line also goes to W&B/TensorBoard
+        tc.tracker, tc.run_dir, stage="pretrain", run_name=tc.run_name, config=config, start_step=step,
+        fresh=tc.fresh, is_main=compute.is_main))
     complete_marker = run.complete
     if compute.is_main and step < steps and paths.exists(complete_marker):
         paths.remove(complete_marker)  # our own marker of an earlier, shorter run: this one is not done
     if compute.is_main:
-        write_json(run.config, dict(model=model_cfg.to_dict(), train=tc.to_dict(),
-                  steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
+        write_json(run.config, config)
 
     # --- training loop ----------------------------------------------------------------------------
     progress = Progress("pretrain", steps=steps, process=compute.process_index, run_dir=tc.run_dir)
@@ -322,6 +327,8 @@ def _run(tc: TrainConfig) -> dict:
     t_rate, step_rate_from, tps = None, step, None
     last_bpb = None
     step_fn = StepLoop(model, optimizer)  # model and optimizer hold its arrays after step_fn.sync()
+    profiler = StepProfiler(tc.profile_steps, paths.join(tc.run_dir, "profile"), start_step=step, log=print0,
+                            is_main=compute.is_main, process=compute.process_index, processes=compute.process_count)
     # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
     with StopOnSignal(print0, processes=compute.process_count, grace_s=tc.preempt_grace) as notice:
         while step < steps:
@@ -337,6 +344,7 @@ def _run(tc: TrainConfig) -> dict:
                     raise
                 raise out_of_memory(e, tc, model_cfg, n_params, compute) from None
             step += 1
+            profiler.at(step, loss)
             if progress.due():
                 loss.block_until_ready()  # progress means a finished step, not a dispatched one
                 progress.update(step, loss=float(loss), tok_s=tps)
@@ -362,7 +370,7 @@ def _run(tc: TrainConfig) -> dict:
                        f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {rate.eta_text(steps - step)}")
                 if compute.is_main:
                     metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, peak_flops=peak.flops,
-                                   time=time.time())
+                                   lrm=float(schedule.lr_multiplier(step - 1)), time=time.time())
                 t_window, tokens_window = time.time(), 0
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == steps):
                 last_bpb = evaluate()
@@ -370,13 +378,15 @@ def _run(tc: TrainConfig) -> dict:
                 if compute.is_main:
                     metrics.append(kind="val", step=step, val_bpb=last_bpb)
             if tc.sample_every > 0 and step % tc.sample_every == 0 and step < steps:
-                for s in stories():
-                    print0(sample_text(s))
+                texts = stories()
+                print0("\n".join(sample_text(s) for s in texts))
+                metrics.note(kind="sample", step=step, samples=texts)
             if step == steps or (tc.save_every > 0 and step % tc.save_every == 0):
                 save(step)
             if tokens_window == 0:
                 t_window = time.time()  # evaluation, sampling and saving are not training time
     batches.close()
+    profiler.close()
     step_fn.sync()
     train_seconds = time.time() - t_loop
     if smooth is None or (last_bpb is None and tc.eval_every > 0):
@@ -391,6 +401,7 @@ def _run(tc: TrainConfig) -> dict:
 
     # --- samples, report, completion marker -------------------------------------------------------
     samples = stories()
+    metrics.note(kind="sample", step=step, samples=samples)
     summary = dict(is_main=compute.is_main, step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
                    train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=paths.absolute(tc.run_dir))
 
@@ -414,6 +425,7 @@ def _run(tc: TrainConfig) -> dict:
         ])
 
     finish(tc.run_dir, compute.is_main, checkpointer, progress, step, summary, report)
+    metrics.close()
     bpb = f"val bpb {last_bpb:.4f}" if last_bpb is not None else "no validation (--eval-every=0)"
     print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {bpb}; "
            f"report {run.report}")
