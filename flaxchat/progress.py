@@ -48,6 +48,7 @@ class Progress:
         self._last_write = None
         self._fields: dict = {}  # the last loss, tok_s, ... given: kept by updates that name none
         self._first: dict = {}  # the first step this process trained, and when: start-up ends there (goodput)
+        self._start: int | None = None
 
     def due(self) -> bool:
         """True when the next `update` would write (the caller may first wait for the step to finish,
@@ -61,7 +62,11 @@ class Progress:
             return
         self._fields.update({k: v for k, v in fields.items() if v is None or isinstance(v, (int, float, str))})
         now = self.clock()
-        if not self._first:
+        # The first update announces the step the stage starts from (before its first compile); the
+        # first step past it is the first one trained.
+        if self._start is None:
+            self._start = int(step)
+        elif not self._first and step > self._start:
             self._first = {"first_step": int(step), "first_time": now}
         if not force and self._last_write is not None and now - self._last_write < self.min_interval_s:
             return

@@ -18,6 +18,7 @@ LEDGER = [
     {"t": 300, "event": "up"},
     {"t": 330, "event": "setup", "t0": 300, "t1": 330},
     {"t": 330, "event": "start", "run_id": "b", "run_dir": "gs://b/r"},
+    {"t": 340, "event": "progress", "run_id": "b", "step": 20, "step_t": 335},  # resumed at 20: compiling
     {"t": 500, "event": "progress", "run_id": "b", "step": 60, "step_t": 490, "first_step": 21, "first_t": 360},
 ]
 

@@ -85,9 +85,9 @@ def account(events: Iterable[dict], chips: int, now: float) -> dict:
             order.append(e["run_id"])
         elif kind == "progress" and e.get("run_id") in runs and e.get("step") is not None:
             r = runs[e["run_id"]]
-            if e.get("first_step") is not None and "first_t" not in r:
-                r["first_step"], r["first_t"] = e["first_step"], e["first_t"]
-            if "first_t" not in r:  # a stage that does not say its first step: the first one seen
+            if e.get("first_step") is not None and not r.get("told"):  # the first step the stage trained
+                r["first_step"], r["first_t"], r["told"] = e["first_step"], e["first_t"], True
+            if "first_t" not in r:  # until it says (or a stage that never does): the first step seen
                 r["first_step"], r["first_t"] = e["step"], e["step_t"]
             if e["step"] >= r.get("last_step", -1):
                 r["last_step"], r["last_t"] = e["step"], e["step_t"]
