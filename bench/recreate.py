@@ -9,7 +9,8 @@ packages, as docs/deployment.md's rehearsal does), runs scripts.pretrain under `
 preempts the pod once the first checkpoint is committed, and stamps the launcher's lines and worker
 0's log lines as they appear while the recovery recreates it. Prints the time from the recreate's
 decision to the first trained step after it, split into create, upload, install, start-up (imports,
-the distributed start, restore) and compile. Needs uv on PATH. Nothing is asserted.
+the distributed start, restore) and compile, then the goodput lines that --health prints. Needs uv
+on PATH. Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint interval (default: %(default)s)")
+    p.add_argument("--log-compiles", action="store_true",
+                   help="JAX_LOG_COMPILES=1 on the workers: print worker 0's persistent-cache hits and misses")
     p.add_argument("--keep", default="", help="keep the emulator's state in this folder (default: a temporary one)")
     args = p.parse_args(argv)
     if not shutil.which("uv"):
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
     run_dir = "gs://rehearsal/d2"
     cmd = (f"python -m scripts.pretrain --depth=2 --sequence-len=256 --vocab-size=512 --device-batch-size=1 "
            f"--total-batch-size=2048 --steps={args.steps} --save-every={args.save_every} --eval-every=0 "
-           f"--sample-every=0 --num-samples=0 --max-chars-tokenizer=2000000")
+           f"--sample-every=0 --num-samples=0 --max-chars-tokenizer=2000000 --log-every=1")
     lc.create()
     lc.setup(REPO, gcs=True, run_dir=run_dir)
     commit = os.path.join(emulator.buckets_root(), "rehearsal", "d2", "checkpoints", str(args.save_every),
@@ -85,20 +88,27 @@ def main(argv=None) -> int:
             time.sleep(0.2)
         emulator.preempt("pod", config.zone, "rehearsal")
         stamps.append((time.time(), "preempt", "preempted"))
-        seen = 0
+        seen, inode = 0, None
         while not done.is_set():
-            lines = open(log).read().splitlines() if os.path.exists(log) else []
-            seen = min(seen, len(lines))
+            try:
+                with open(log) as f:
+                    if os.fstat(f.fileno()).st_ino != inode:  # the recreated VM's log is a new file
+                        seen, inode = 0, os.fstat(f.fileno()).st_ino
+                    lines = f.read().splitlines()
+            except OSError:
+                lines = []
             for line in lines[seen:]:
                 stamps.append((time.time(), "worker0", line))
-            seen = len(lines)
+            seen = max(seen, len(lines))
             time.sleep(0.1)
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     try:
         result = lc.recover(cmd, run_dir=run_dir, local_repo_path=REPO, timeout=1800,
+                            env={"JAX_LOG_COMPILES": "1"} if args.log_compiles else None,
                             policy=rec.Policy(poll_s=1.0, backoff_s=1.0, heartbeat_deadline_s=600))
+        health = lc.goodput()  # what --health prints under its table, while the emulator is still there
     finally:
         done.set()
         t.join(5)
@@ -117,6 +127,8 @@ def main(argv=None) -> int:
              "restored": first("worker0", r"resumed from step", t0), "first step": first("worker0", r"^step \d+", t0)}
     compile_s = next((float(m.group(1)) for ts, src, s in stamps if src == "worker0" and ts >= t0
                       for m in [re.search(r"compiled the train step in ([\d.]+)s", s)] if m), None)
+    before = [s for ts, src, s in stamps if src == "worker0" and ts < t0 and "compiled the train step" in s]
+    print(f"the first run (before the preemption): {before[-1] if before else '-'}")
     prev = t0
     print(f"recreate-to-first-step: {marks['first step'] - t0:.1f} s")
     for name, ts in marks.items():
@@ -124,8 +136,9 @@ def main(argv=None) -> int:
         prev = ts
     print(f"  of which the train step's compile (pretrain's own figure): {compile_s} s")
     for ts, src, s in stamps:
-        if src == "worker0" and ts >= t0 and re.search(r"compile cache|environment", s):
-            print(f"  worker 0: {s}")
+        if ts >= t0 and re.search(r"compile cache|environment|[Pp]ersistent compilation cache", s):
+            print(f"  {src}: {s}")
+    print(health)
     return 0
 
 
