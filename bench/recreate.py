@@ -108,7 +108,8 @@ def main(argv=None) -> int:
         result = lc.recover(cmd, run_dir=run_dir, local_repo_path=REPO, timeout=1800,
                             env={"JAX_LOG_COMPILES": "1"} if args.log_compiles else None,
                             policy=rec.Policy(poll_s=1.0, backoff_s=1.0, heartbeat_deadline_s=600))
-        health = lc.goodput()  # what --health prints under its table, while the emulator is still there
+        lc.wait(timeout=120)  # the marker comes before the processes' exit codes
+        health = rec.format_health(lc.health()) + "\n" + lc.goodput()  # what --health prints
     finally:
         done.set()
         t.join(5)
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
         prev = ts
     print(f"  of which the train step's compile (pretrain's own figure): {compile_s} s")
     for ts, src, s in stamps:
-        if ts >= t0 and re.search(r"compile cache|environment|[Pp]ersistent compilation cache", s):
+        if ts >= t0 and re.search(r"compile cache|environment|[Pp]ersistent compilation cache|XLA compilation of jit\(step\)", s):
             print(f"  {src}: {s}")
     print(health)
     return 0
