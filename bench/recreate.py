@@ -26,6 +26,8 @@ import time
 from flaxchat.errors import UserError, cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The lines shown after the recreate: where the environment and the compile cache came from.
+SHOWN = r"compile cache|environment|[Pp]ersistent compilation cache|XLA compilation of jit\(step\)"
 
 
 def parse_args(argv):
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         return next((ts for ts, src, s in stamps if src == source and ts >= after and re.search(pattern, s)), None)
 
     t0 = first("launcher", r"recreate:")
-    marks = {"created": first("launcher", r"is READY with", t0), "uploaded": first("launcher", r"^installing on|environment", t0),
+    marks = {"created": first("launcher", r"is READY with", t0), "uploaded": first("launcher", r"^installing on", t0),
              "installed": first("launcher", r"^worker 0: ready", t0), "started": first("launcher", r"^started on", t0),
              "restored": first("worker0", r"resumed from step", t0), "first step": first("worker0", r"^step \d+", t0)}
     compile_s = next((float(m.group(1)) for ts, src, s in stamps if src == "worker0" and ts >= t0
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
         prev = ts
     print(f"  of which the train step's compile (pretrain's own figure): {compile_s} s")
     for ts, src, s in stamps:
-        if ts >= t0 and re.search(r"compile cache|environment|[Pp]ersistent compilation cache|XLA compilation of jit\(step\)", s):
+        if ts >= t0 and re.search(SHOWN, s):
             print(f"  {src}: {s}")
     print(health)
     return 0

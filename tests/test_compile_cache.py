@@ -50,9 +50,11 @@ def test_a_cache_in_a_bucket_is_written_there_and_makes_no_local_folder(tmp_path
     (buckets / "bk").mkdir(parents=True)
     probe = "from flaxchat.cloud.rehearsal import bucket; bucket.install()\n" + PROBE
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "FLAXCHAT_CACHE"))}
-    env.update(HOME=str(tmp_path), JAX_PLATFORMS="cpu", FLAXCHAT_NO_CPU_TUNING="1", FLAXCHAT_REHEARSAL_BUCKETS=str(buckets),
-               FLAXCHAT_CACHE_DIR="gs://bk/run/xla-cache", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env.update(HOME=str(tmp_path), JAX_PLATFORMS="cpu", FLAXCHAT_NO_CPU_TUNING="1",
+               FLAXCHAT_REHEARSAL_BUCKETS=str(buckets), FLAXCHAT_CACHE_DIR="gs://bk/run/xla-cache",
+               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compile cache: gs://bk/run/xla-cache/jax/cpu-cpu-1x1" in r.stdout, r.stdout
     folder = buckets / "bk" / "run" / "xla-cache" / "jax" / "cpu-cpu-1x1"

@@ -273,6 +273,7 @@ def test_the_installed_command_prints_an_error_as_one_line(monkeypatch, capsys):
     (["--wait", "--poll-interval", "-5"], "--poll-interval must be positive (got -5)"),  # time.sleep(-5) mid-wait
     (["--wait", "--timeout", "-1"], "--timeout must be positive"),
     (["--recover", "true", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    (["--health", "--price-per-chip-hour", "0"], "--price-per-chip-hour must be positive (got 0)"),
     (["--logs", "--lines", "-3"], "--lines must be 0 or more"),  # went to the workers' tail as is
     (["--run", "true", "--coordinator-port", "99999"], "--coordinator-port must be between 1 and 65535"),
 ])

@@ -181,6 +181,7 @@ def _check_numbers(args) -> None:
             ("--startup-check", args.startup_check, lambda v: v >= 0, "0 or more"),
             ("--max-restarts", args.max_restarts, lambda v: v >= 0, "0 or more"),
             ("--lines", args.lines, lambda v: v >= 0, "0 or more"),
+            ("--price-per-chip-hour", args.price_per_chip_hour, lambda v: v > 0, "positive"),
             ("--coordinator-port", args.coordinator_port, lambda v: 0 < v < 65536, "between 1 and 65535")):
         if value is not None and not ok(value):
             raise UserError(f"{flag} must be {what} (got {value:g}).")

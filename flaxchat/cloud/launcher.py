@@ -622,7 +622,9 @@ class TPULauncher(RemoteRunner):
         if w.get("step") is None or w.get("progress_age") is None or not w.get("run_id"):
             return
         now = self.clock()
-        first = {"first_step": w["first_step"], "first_t": now - w["first_age"]} if w.get("first_age") is not None else {}
+        first = {}
+        if w.get("first_age") is not None:
+            first = {"first_step": w["first_step"], "first_t": now - w["first_age"]}
         self._ledger("progress", run_id=w["run_id"], step=w["step"], step_t=now - w["progress_age"], **first)
 
     def status(self) -> RunStatus:
