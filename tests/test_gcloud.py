@@ -101,11 +101,14 @@ def test_the_environments_key_changes_with_the_pins_and_the_install_only():
     url = g.env_pack_url("gs://b/run/", key)
     assert url == f"gs://b/run/.flaxchat/env/{key}"
     script = g.install_command("abc", "pip install -e .", url)
-    # Taken from the bucket only when it unpacks and passes the same check; installed otherwise, then packed.
+    # Taken from the bucket only when it unpacks and passes the same check; installed otherwise.
     assert f'PACK="{url}-$(uname -sm | tr " " -).tar.gz"' in script
     assert script.index("gcloud storage cp \"$PACK\"") < script.index('if [ -z "$FROM_BUCKET" ]; then (cd flaxchat')
-    assert script.index("sys.version_info") < script.index('gcloud storage cp "$HOME/.flaxchat/env.tar.gz" "$PACK"')
     assert script.rstrip().endswith("echo abc > .flaxchat/setup.done")
+    pack = g.pack_env_command(url)  # one worker packs it, unless it is there
+    assert f'PACK="{url}-$(uname -sm | tr " " -).tar.gz"' in pack
+    upload = 'gcloud storage cp "$HOME/.flaxchat/env.tar.gz" "$PACK"'
+    assert pack.index('gcloud storage ls "$PACK"') < pack.index(upload)
     assert "gcloud" not in g.install_command("abc", "pip install -e .")  # no bucket: as before
 
 

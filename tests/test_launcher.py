@@ -757,11 +757,11 @@ def test_a_recreated_pod_takes_its_environment_from_the_bucket_and_goodput_count
     packs = os.listdir(bucket(run_dir + "/.flaxchat/env"))
     assert len(packs) == 1 and packs[0].endswith(".tar.gz"), packs
     assert any(x.startswith("packed the environment into gs://bk/env-run/.flaxchat/env/") for x in logs), logs
-    cmd = standin(run_dir, steps=24, sleep=0.1, **{"save-every": 4})
+    cmd = standin(run_dir, steps=24, sleep=0.3, **{"save-every": 8})
     lc.run(cmd, run_dir=run_dir)
-    ckpt = bucket(run_dir + "/checkpoints")
-    until(lambda: os.path.exists(os.path.join(ckpt, "8", "commit_success.txt")), what="a checkpoint at step 8")
-    lc.health()  # a poll before the preemption: the ledger sees how far the first run got
+    progress = os.path.join(worker_home(0), ".flaxchat", "run", "progress.json")
+    until(lambda: os.path.exists(progress) and json.load(open(progress))["step"] >= 11, what="step 11")
+    lc.health()  # a poll before the preemption, a second before the next save: the ledger sees step 11+
     emulator.preempt(NAME, Z, P)
     logs.clear()
     result = lc.recover(cmd, run_dir=run_dir, local_repo_path=str(pod / "repo"), timeout=90,
@@ -777,7 +777,7 @@ def test_a_recreated_pod_takes_its_environment_from_the_bucket_and_goodput_count
     good = [x for x in logs if x.startswith("goodput:")]
     assert good and "2 run(s), 1 restart(s)" in good[-1], text
     m = re.search(r"steps trained again after restarts \d+% \([\d.]+ s, (\d+) steps\)", text)
-    assert m and 1 <= int(m.group(1)) <= 20, text  # resumed from step 8 or later, after reaching more
+    assert m and 3 <= int(m.group(1)) <= 15, text  # resumed from step 8 after reaching 11 or more
     assert "cost: about $" in text and "v4-16 on-demand at $3.22 per chip-hour, list price as of 2022-08-11" in text
     code, out, _ = cli(capsys, f"--project={P}", "--health", "--price-per-chip-hour=2")
     assert "goodput:" in out and "chip-hours (8 chips x" in out and "given with --price-per-chip-hour" in out, out

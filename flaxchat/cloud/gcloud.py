@@ -171,13 +171,17 @@ def env_pack_url(run_dir: str, key: str) -> str:
     return f"{run_dir.rstrip('/')}/.flaxchat/env/{key}"
 
 
+def _pack_path(pack_url: str) -> str:
+    return f'PACK="{pack_url}-$(uname -sm | tr " " -).tar.gz"'
+
+
 def _env_from_bucket(pack_url: str, check: str) -> list[str]:
     """The shell that unpacks the environment from the bucket into $HOME/.flaxchat (venv and, when uv
     fetched one, the Python under it) and reinstalls the uploaded project over it (seconds: no deps);
     it sets FROM_BUCKET only when the result passes the same check as a fresh install."""
     tmp = f"$HOME/{REMOTE_STATE}/env.tar.gz"
     return [
-        f'PACK="{pack_url}-$(uname -sm | tr " " -).tar.gz"',
+        _pack_path(pack_url),
         "FROM_BUCKET=",
         f'if gcloud storage cp "$PACK" "{tmp}" >/dev/null 2>&1 && rm -rf "$FLAXCHAT_VENV" '
         f'&& tar -xzf "{tmp}" -C "$HOME" '
@@ -190,20 +194,21 @@ def _env_from_bucket(pack_url: str, check: str) -> list[str]:
     ]
 
 
-def _env_to_bucket() -> list[str]:
-    """After a fresh install that passed its check: pack it into $PACK unless another worker did."""
+def pack_env_command(pack_url: str) -> str:
+    """Run on one worker after setup: pack its environment into the bucket unless it is there already
+    (one upload per run folder and lock, not one per worker)."""
     tmp = f"$HOME/{REMOTE_STATE}/env.tar.gz"
-    return [
-        'if [ -z "$FROM_BUCKET" ] && ! gcloud storage ls "$PACK" >/dev/null 2>&1; then',
-        f'  PARTS="{REMOTE_VENV}"; [ -d "$HOME/{REMOTE_PYTHON}" ] && PARTS="$PARTS {REMOTE_PYTHON}"',
-        f'  if tar -czf "{tmp}" -C "$HOME" $PARTS && gcloud storage cp "{tmp}" "$PACK" >/dev/null; then',
-        '    echo "flaxchat: packed the environment into $PACK for the next VM"',
-        "  else",
-        '    echo "flaxchat: could not pack the environment into $PACK; a recreated VM will install again" >&2',
-        "  fi",
-        f'  rm -f "{tmp}"',
+    return "\n".join([
+        _pack_path(pack_url),
+        'if gcloud storage ls "$PACK" >/dev/null 2>&1; then exit 0; fi',
+        f'PARTS="{REMOTE_VENV}"; if [ -d "$HOME/{REMOTE_PYTHON}" ]; then PARTS="$PARTS {REMOTE_PYTHON}"; fi',
+        f'if tar -czf "{tmp}" -C "$HOME" $PARTS && gcloud storage cp "{tmp}" "$PACK" >/dev/null; then',
+        '  echo "flaxchat: packed the environment into $PACK for the next VM"',
+        "else",
+        '  echo "flaxchat: could not pack the environment into $PACK; a recreated VM will install again"',
         "fi",
-    ]
+        f'rm -f "{tmp}"',
+    ])
 
 
 def install_command(content_hash: str, install: str, env_url: str = "") -> str:
@@ -211,8 +216,8 @@ def install_command(content_hash: str, install: str, env_url: str = "") -> str:
     `install` in the repo folder with $UV and $FLAXCHAT_VENV set, then a check that the venv's python
     is >= 3.11 and imports flaxchat; only then the hash is recorded (a later setup of the same tree
     is skipped; a half-finished one is not recorded, so it runs again). `env_url` (env_pack_url): the
-    environment is unpacked from there when it is there and passes the check, instead of installed;
-    a fresh install is packed there for the next VM."""
+    environment is unpacked from there when it is there and passes the check, instead of installed
+    (pack_env_command puts it there)."""
     # Run from / so that ~/flaxchat (the repo folder) is not taken for the package.
     check = "import sys, flaxchat; sys.exit(0 if sys.version_info >= (3, 11) and flaxchat.__file__ else 3)"
     install_line = f"(cd {REMOTE_REPO} && {install})"
@@ -241,7 +246,6 @@ def install_command(content_hash: str, install: str, env_url: str = "") -> str:
         f'~/{REMOTE_VENV}" >&2',
         "  exit 3",
         "fi",
-        *(_env_to_bucket() if env_url else []),
         f"echo {shlex.quote(content_hash)} > {REMOTE_STATE}/setup.done",
     ])
 

@@ -480,8 +480,10 @@ class TPULauncher(RemoteRunner):
             self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
         self._ssh(g.unpack_command(), timeout=600)
         self.say(f"installing on {n} worker(s) into ~/{g.REMOTE_VENV}: {install}")
-        res = self._ssh(g.install_command(digest, install, env_url), timeout=3600)  # the markers are the truth
-        for line in dict.fromkeys(x for x in res.stdout.splitlines() if x.startswith("flaxchat: ")):
+        said = self._ssh(g.install_command(digest, install, env_url), timeout=3600).stdout  # markers: the truth
+        if env_url:  # worker 0 packs what it installed, once per lock (a no-op when the pack is there)
+            said += self._ssh(g.pack_env_command(env_url), worker=0, check=False, timeout=3600).stdout
+        for line in dict.fromkeys(x for x in said.splitlines() if x.startswith("flaxchat: ")):
             self.say(line[len("flaxchat: "):])
         self._report_ready(n)
 
