@@ -105,7 +105,9 @@ def compute_init(dtype: str = "auto", sharding: str = "dp", attention: str = "au
 
 def compilation_cache_dir() -> str:
     """Where this machine's compiled steps are kept between runs: one folder per topology (backend,
-    device kind, devices and processes), under $FLAXCHAT_CACHE_DIR or ~/.cache/flaxchat."""
+    device kind, devices and processes), under $FLAXCHAT_CACHE_DIR or ~/.cache/flaxchat. The launcher
+    sets FLAXCHAT_CACHE_DIR to the run folder's xla-cache/ when that is in a bucket, so a recreated
+    VM loads the step that the one before it compiled."""
     dev = jax.devices()[0]
     topology = f"{jax.default_backend()}-{dev.device_kind}-{jax.device_count()}x{jax.process_count()}"
     root = os.environ.get("FLAXCHAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flaxchat")
@@ -121,7 +123,8 @@ def enable_compilation_cache() -> str | None:
         return None
     path = compilation_cache_dir()
     try:
-        os.makedirs(path, exist_ok=True)
+        if "://" not in path:  # gs://...: JAX writes it through etils.epath (gcsfs); a bucket has no folders
+            os.makedirs(path, exist_ok=True)
     except OSError:
         return None  # a read-only home: run without a cache
     jax.config.update("jax_compilation_cache_dir", path)

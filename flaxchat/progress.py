@@ -5,11 +5,13 @@ A supervisor (the pod worker `flaxchat/cloud/worker.py`, the Kaggle job wrapper)
 rewrites that file, atomically, after each optimizer step:
 
     {"schema": 1, "step": 120, "steps": 1000, "time": 1764579000.5, "pid": 4242, "process": 3,
-     "loss": 3.21, "tok_s": 12345.0, "stage": "pretrain",
+     "loss": 3.21, "tok_s": 12345.0, "stage": "pretrain", "first_step": 101, "first_time": 1764578990.1,
      "run_dir": "gs://b/d24", "marker": "gs://b/d24/COMPLETE"}
 
 `time` is the wall clock of the last step, so "how long since this process made progress" is
-`now - time`: the liveness a supervisor needs. `run_dir` and `marker` say where the stage writes and
+`now - time`: the liveness a supervisor needs. `first_step` and `first_time` are the first step
+this process trained and when: the end of its start-up (imports, restore, compile), which the
+launcher's goodput counts as lost time. `run_dir` and `marker` say where the stage writes and
 which file it writes last when it has finished (`flaxchat.paths.RunFolder`), so a supervisor that
 was not told the run folder learns it from the stage instead of parsing its command. Only process 0 prints, so output is no heartbeat on
 a pod; this file is, and it is never parsed out of a human-readable line. Without the variable the
@@ -45,6 +47,8 @@ class Progress:
         self.clock = clock
         self._last_write = None
         self._fields: dict = {}  # the last loss, tok_s, ... given: kept by updates that name none
+        self._first: dict = {}  # the first step this process trained, and when: start-up ends there (goodput)
+        self._start: int | None = None
 
     def due(self) -> bool:
         """True when the next `update` would write (the caller may first wait for the step to finish,
@@ -58,11 +62,17 @@ class Progress:
             return
         self._fields.update({k: v for k, v in fields.items() if v is None or isinstance(v, (int, float, str))})
         now = self.clock()
+        # The first update announces the step the stage starts from (before its first compile); the
+        # first step past it is the first one trained.
+        if self._start is None:
+            self._start = int(step)
+        elif not self._first and step > self._start:
+            self._first = {"first_step": int(step), "first_time": now}
         if not force and self._last_write is not None and now - self._last_write < self.min_interval_s:
             return
         record = dict(schema=SCHEMA, stage=self.stage, step=int(step), steps=self.steps, time=now,
                       pid=os.getpid(), process=self.process, **self.where)
-        record.update(self._fields)
+        record.update(self._fields, **self._first)
         try:
             write_json(self.path, record)
             self._last_write = now

@@ -40,3 +40,23 @@ def test_the_users_folder_wins_and_off_turns_it_off(tmp_path):
     out = _run(tmp_path, FLAXCHAT_CACHE_DIR="off")
     assert "compile cache:" not in out and "DIR None" in out
     assert not (tmp_path / ".cache" / "flaxchat").exists()
+
+
+def test_a_cache_in_a_bucket_is_written_there_and_makes_no_local_folder(tmp_path):
+    """The launcher sets FLAXCHAT_CACHE_DIR=gs://.../xla-cache for a run folder in a bucket, so that a
+    recreated VM loads the step; JAX writes gs:// itself (etils.epath, here over the rehearsal's bucket),
+    and nothing named gs: appears in the working folder."""
+    buckets = tmp_path / "buckets"
+    (buckets / "bk").mkdir(parents=True)
+    probe = "from flaxchat.cloud.rehearsal import bucket; bucket.install()\n" + PROBE
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "FLAXCHAT_CACHE"))}
+    env.update(HOME=str(tmp_path), JAX_PLATFORMS="cpu", FLAXCHAT_NO_CPU_TUNING="1",
+               FLAXCHAT_REHEARSAL_BUCKETS=str(buckets), FLAXCHAT_CACHE_DIR="gs://bk/run/xla-cache",
+               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compile cache: gs://bk/run/xla-cache/jax/cpu-cpu-1x1" in r.stdout, r.stdout
+    folder = buckets / "bk" / "run" / "xla-cache" / "jax" / "cpu-cpu-1x1"
+    assert folder.is_dir() and any(folder.iterdir()), "nothing was written to the bucket"
+    assert not (tmp_path / "gs:").exists()

@@ -81,6 +81,37 @@ def test_no_secret_reaches_any_command_builder():
     assert not any("s3cret" in b for b in built)
 
 
+PYPROJECT = """[project]
+name = "flaxchat"
+requires-python = ">=3.11"
+dependencies = ["jax==0.10.2", "flax==0.12.1"]
+[project.optional-dependencies]
+tpu = ["jax[tpu]==0.10.2"]
+[tool.pytest.ini_options]
+timeout = 60
+"""
+
+
+def test_the_environments_key_changes_with_the_pins_and_the_install_only():
+    key = g.env_key(PYPROJECT, "pip install -e .")
+    assert key == g.env_key(PYPROJECT.replace("timeout = 60", "timeout = 90"), "pip install -e .")  # not a pin
+    assert key != g.env_key(PYPROJECT.replace("flax==0.12.1", "flax==0.12.2"), "pip install -e .")
+    assert key != g.env_key(PYPROJECT.replace('tpu = ["jax[tpu]==0.10.2"]', 'tpu = []'), "pip install -e .")
+    assert key != g.env_key(PYPROJECT, "pip install -e .[tpu]")
+    url = g.env_pack_url("gs://b/run/", key)
+    assert url == f"gs://b/run/.flaxchat/env/{key}"
+    script = g.install_command("abc", "pip install -e .", url)
+    # Taken from the bucket only when it unpacks and passes the same check; installed otherwise.
+    assert f'PACK="{url}-$(uname -sm | tr " " -).tar.gz"' in script
+    assert script.index("gcloud storage cp \"$PACK\"") < script.index('if [ -z "$FROM_BUCKET" ]; then (cd flaxchat')
+    assert script.rstrip().endswith("echo abc > .flaxchat/setup.done")
+    pack = g.pack_env_command(url)  # one worker packs it, unless it is there
+    assert f'PACK="{url}-$(uname -sm | tr " " -).tar.gz"' in pack
+    upload = 'gcloud storage cp "$HOME/.flaxchat/env.tar.gz" "$PACK"'
+    assert pack.index('gcloud storage ls "$PACK"') < pack.index(upload)
+    assert "gcloud" not in g.install_command("abc", "pip install -e .")  # no bucket: as before
+
+
 def test_one_line_keeps_gclouds_own_message():
     err = ("Create request issued\nERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota\n"
            "  'TPUV4sPodPerProjectPerZone' exhausted.\n")

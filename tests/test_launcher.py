@@ -79,6 +79,7 @@ def stalled_collective():
     while True:
         time.sleep(1)
 progress = os.environ.get("FLAXCHAT_PROGRESS_FILE")
+first_seen = {}  # as flaxchat.progress: the first step this process trained, and when
 stop = args.get("stop-file")  # the test says when to finish (its clock is not this one)
 while step < steps:
     if stop and os.path.exists(stop):
@@ -86,9 +87,10 @@ while step < steps:
     step += 1
     w = w * 0.9 + 0.01 * step
     if progress:
+        first_seen = first_seen or {"first_step": step, "first_time": time.time()}
         with open(progress + ".tmp", "w") as f:
             json.dump({"schema": 1, "stage": "standin", "step": step, "steps": steps, "time": time.time(),
-                       "pid": os.getpid(), "process": pid, "loss": w, "tok_s": 1234.0}, f)
+                       "pid": os.getpid(), "process": pid, "loss": w, "tok_s": 1234.0, **first_seen}, f)
         os.replace(progress + ".tmp", progress)
     if pid == 0:
         print(f"step {step:05d}/{steps:05d} | loss {w:.4f} | tok/s 1,234", flush=True)
@@ -271,6 +273,7 @@ def test_the_installed_command_prints_an_error_as_one_line(monkeypatch, capsys):
     (["--wait", "--poll-interval", "-5"], "--poll-interval must be positive (got -5)"),  # time.sleep(-5) mid-wait
     (["--wait", "--timeout", "-1"], "--timeout must be positive"),
     (["--recover", "true", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    (["--health", "--price-per-chip-hour", "0"], "--price-per-chip-hour must be positive (got 0)"),
     (["--logs", "--lines", "-3"], "--lines must be 0 or more"),  # went to the workers' tail as is
     (["--run", "true", "--coordinator-port", "99999"], "--coordinator-port must be between 1 and 65535"),
 ])
@@ -737,6 +740,47 @@ def test_recover_brings_back_a_preempted_pod(pod):
     out = []
     lc.logs(lines=400, on_line=out.append)
     assert any(line.startswith("resumed from step") and int(line.split()[-1]) >= 8 for line in out)
+
+
+@pytest.mark.timeout(150)
+def test_a_recreated_pod_takes_its_environment_from_the_bucket_and_goodput_counts_the_loss(pod, capsys):
+    """Setup packs the workers' environment into the run folder (keyed by pyproject's pins, the install
+    and the Python); after a preemption the new VM unpacks it instead of running the install, and the
+    stage's compile cache is beside the run. --recover ends with goodput and cost from the ledger,
+    and --health prints the same."""
+    run_dir = "gs://bk/env-run"
+    lc = launcher(pod, install_command=TEST_INSTALL + ' && touch "$HOME/installed-here"')
+    lc.create()
+    logs = []
+    lc.say = logs.append
+    lc.setup(str(pod / "repo"), gcs=True, run_dir=run_dir)
+    packs = os.listdir(bucket(run_dir + "/.flaxchat/env"))
+    assert len(packs) == 1 and packs[0].endswith(".tar.gz"), packs
+    assert any(x.startswith("packed the environment into gs://bk/env-run/.flaxchat/env/") for x in logs), logs
+    cmd = standin(run_dir, steps=24, sleep=0.3, **{"save-every": 8})
+    lc.run(cmd, run_dir=run_dir)
+    progress = os.path.join(worker_home(0), ".flaxchat", "run", "progress.json")
+    until(lambda: os.path.exists(progress) and json.load(open(progress))["step"] >= 11, what="step 11")
+    lc.health()  # a poll before the preemption, a second before the next save: the ledger sees step 11+
+    emulator.preempt(NAME, Z, P)
+    logs.clear()
+    result = lc.recover(cmd, run_dir=run_dir, local_repo_path=str(pod / "repo"), timeout=90,
+                        policy=rec.Policy(poll_s=0.2, backoff_s=0.1, max_restarts=3))
+    text = "\n".join(logs)
+    assert result.ok and "recreate: the VM is PREEMPTED" in text, text
+    assert f"the environment came from gs://bk/env-run/.flaxchat/env/{packs[0]}" in text, text
+    for w in range(2):  # the recreated workers never ran the install
+        assert os.path.isdir(os.path.join(worker_home(w), ".flaxchat", "venv"))
+        assert not os.path.exists(os.path.join(worker_home(w), "installed-here"))
+    env = json.load(open(bucket(run_dir + "/env-0.json")))
+    assert env["FLAXCHAT_CACHE_DIR"] == "gs://bk/env-run/xla-cache"
+    good = [x for x in logs if x.startswith("goodput:")]
+    assert good and "2 run(s), 1 restart(s)" in good[-1], text
+    m = re.search(r"steps trained again after restarts \d+% \([\d.]+ s, (\d+) steps\)", text)
+    assert m and 3 <= int(m.group(1)) <= 15, text  # resumed from step 8 after reaching 11 or more
+    assert "cost: about $" in text and "v4-16 on-demand at $3.22 per chip-hour, list price as of 2022-08-11" in text
+    code, out, _ = cli(capsys, f"--project={P}", "--health", "--price-per-chip-hour=2")
+    assert "goodput:" in out and "chip-hours (8 chips x" in out and "given with --price-per-chip-hour" in out, out
 
 
 def _recover_once(spod, shared_pod, event: str, *, steps: int, save_every: int, **policy):

@@ -58,3 +58,19 @@ def test_a_stage_names_its_run_folder_and_marker_so_a_supervisor_never_parses_it
     run.mkdir(parents=True)
     (run / "COMPLETE").write_text("{}")
     assert worker.status(str(tmp_path / "state"))["complete"] is True
+
+
+def test_the_first_trained_step_and_its_time_mark_the_end_of_start_up(tmp_path):
+    """A stage announces the step it starts from (a resumed one: its checkpoint's) before it compiles;
+    the first step past it, and when, is what the launcher's goodput counts start-up up to."""
+    from flaxchat.progress import Progress, read
+    now = [100.0]
+    p = Progress("pretrain", steps=30, path=str(tmp_path / "p.json"), min_interval_s=0, clock=lambda: now[0])
+    p.update(10, force=True)  # resumed from step 10, before the compile
+    assert "first_step" not in read(str(tmp_path / "p.json"))
+    now[0] = 130.0
+    p.update(11)
+    now[0] = 131.0
+    p.update(12)
+    rec = read(str(tmp_path / "p.json"))
+    assert (rec["step"], rec["first_step"], rec["first_time"]) == (12, 11, 130.0)

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(a recreate loses it and training starts again from step 0)")
     opt.add_argument("--capacity-retry-hours", type=float,
                      help=f"--create: keep retrying 'no capacity' this long (default {TPUConfig.capacity_retry_s / 3600:g})")
+    opt.add_argument("--price-per-chip-hour", type=float,
+                     help="--health / --recover: USD per chip-hour for the cost estimate (the built-in table "
+                          "knows few TPU types; see docs/deployment.md)")
     opt.add_argument("--dry-run", action="store_true", help="print the gcloud commands instead of running them")
     return ap
 
@@ -112,6 +115,8 @@ def resolve_config(args) -> tuple[TPUConfig, str]:
             config.zone = config.zones[0]
     if args.capacity_retry_hours is not None:
         config.capacity_retry_s = args.capacity_retry_hours * 3600.0
+    if args.price_per_chip_hour is not None:
+        config.price_per_chip_hour = args.price_per_chip_hour
     named = bool(args.tpu_name and args.zone)
     if not saved and not args.create and not named:
         raise UserError(f"no TPU VM is remembered for project {project}; create one first with --create "
@@ -176,6 +181,7 @@ def _check_numbers(args) -> None:
             ("--startup-check", args.startup_check, lambda v: v >= 0, "0 or more"),
             ("--max-restarts", args.max_restarts, lambda v: v >= 0, "0 or more"),
             ("--lines", args.lines, lambda v: v >= 0, "0 or more"),
+            ("--price-per-chip-hour", args.price_per_chip_hour, lambda v: v > 0, "positive"),
             ("--coordinator-port", args.coordinator_port, lambda v: 0 < v < 65536, "between 1 and 65535")):
         if value is not None and not ok(value):
             raise UserError(f"{flag} must be {what} (got {value:g}).")
@@ -214,7 +220,8 @@ def main(argv=None) -> int:
     if args.create:
         launcher.create()
     if args.setup or args.upload:
-        launcher.setup(args.upload or ".", gcs=(run_dir or "").startswith("gs://") if run_dir else None)
+        launcher.setup(args.upload or ".", gcs=(run_dir or "").startswith("gs://") if run_dir else None,
+                       run_dir=run_dir)
     if args.check_devices:
         print(json.dumps(launcher.check_devices()))
     if args.run:
@@ -227,6 +234,7 @@ def main(argv=None) -> int:
     if args.health:
         report = launcher.health()
         print(rec.format_health(report), flush=True)
+        print(launcher.goodput(), flush=True)
         code = code or (1 if report["problems"] else 0)
     if args.wait:
         result = launcher.wait(timeout=args.timeout)

@@ -39,6 +39,7 @@ REMOTE_TARBALL = "flaxchat-src.tar.gz"
 # >= 3.11, so setup makes a venv of its own (uv, a pinned Python) and every run goes through it.
 REMOTE_VENV = f"{REMOTE_STATE}/venv"
 REMOTE_BOOTSTRAP = f"{REMOTE_STATE}/bootstrap"  # where uv is pip-installed when the image has none
+REMOTE_PYTHON = f"{REMOTE_STATE}/python"  # where uv puts the Python it fetches (packed with the venv)
 PYTHON_VERSION = "3.11"
 WORKER_PY = f"{REMOTE_REPO}/flaxchat/cloud/worker.py"
 COORDINATOR_PORT = 8476  # the port JAX's own TPU examples use for the coordinator
@@ -154,18 +155,81 @@ def default_install(extras: Sequence[str] = ("tpu",)) -> str:
             f'"$UV" pip install --python "$FLAXCHAT_VENV/bin/python" -e {shlex.quote(spec)}')
 
 
-def install_command(content_hash: str, install: str) -> str:
+def env_key(pyproject_text: str, install: str) -> str:
+    """What a worker's environment is built from: pyproject.toml's pins (dependencies, extras,
+    requires-python), the install command and the pinned Python, hashed. The same key on a new VM means
+    the packed environment in the bucket is the one its install would build again."""
+    import tomllib
+    project = tomllib.loads(pyproject_text).get("project", {})
+    pins = {k: project.get(k) for k in ("requires-python", "dependencies", "optional-dependencies")}
+    blob = json.dumps({"pins": pins, "install": install, "python": PYTHON_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def env_pack_url(run_dir: str, key: str) -> str:
+    """Where a run keeps its workers' packed environment (the worker adds its platform and .tar.gz)."""
+    return f"{run_dir.rstrip('/')}/.flaxchat/env/{key}"
+
+
+def _pack_path(pack_url: str) -> str:
+    return f'PACK="{pack_url}-$(uname -sm | tr " " -).tar.gz"'
+
+
+def _env_from_bucket(pack_url: str, check: str) -> list[str]:
+    """The shell that unpacks the environment from the bucket into $HOME/.flaxchat (venv and, when uv
+    fetched one, the Python under it) and reinstalls the uploaded project over it (seconds: no deps);
+    it sets FROM_BUCKET only when the result passes the same check as a fresh install."""
+    tmp = f"$HOME/{REMOTE_STATE}/env.tar.gz"
+    return [
+        _pack_path(pack_url),
+        "FROM_BUCKET=",
+        f'if gcloud storage cp "$PACK" "{tmp}" >/dev/null 2>&1 && rm -rf "$FLAXCHAT_VENV" '
+        f'&& tar -xzf "{tmp}" -C "$HOME" '
+        f'&& (cd {REMOTE_REPO} && "$UV" pip install -q --python "$FLAXCHAT_VENV/bin/python" --no-deps -e .) '
+        f'&& (cd / && "$FLAXCHAT_VENV/bin/python" -c {shlex.quote(check)}); then',
+        '  FROM_BUCKET=1',
+        '  echo "flaxchat: the environment came from $PACK (built from the same pins)"',
+        "fi",
+        f'rm -f "{tmp}"',
+    ]
+
+
+def pack_env_command(pack_url: str) -> str:
+    """Run on one worker after setup: pack its environment into the bucket unless it is there already
+    (one upload per run folder and lock, not one per worker)."""
+    tmp = f"$HOME/{REMOTE_STATE}/env.tar.gz"
+    return "\n".join([
+        _pack_path(pack_url),
+        'if gcloud storage ls "$PACK" >/dev/null 2>&1; then exit 0; fi',
+        f'PARTS="{REMOTE_VENV}"; if [ -d "$HOME/{REMOTE_PYTHON}" ]; then PARTS="$PARTS {REMOTE_PYTHON}"; fi',
+        f'if tar -czf "{tmp}" -C "$HOME" $PARTS && gcloud storage cp "{tmp}" "$PACK" >/dev/null; then',
+        '  echo "flaxchat: packed the environment into $PACK for the next VM"',
+        "else",
+        '  echo "flaxchat: could not pack the environment into $PACK; a recreated VM will install again"',
+        "fi",
+        f'rm -f "{tmp}"',
+    ])
+
+
+def install_command(content_hash: str, install: str, env_url: str = "") -> str:
     """Set up one worker: uv (pip-installed into ~/.flaxchat/bootstrap if the image has none), then
     `install` in the repo folder with $UV and $FLAXCHAT_VENV set, then a check that the venv's python
     is >= 3.11 and imports flaxchat; only then the hash is recorded (a later setup of the same tree
-    is skipped; a half-finished one is not recorded, so it runs again)."""
+    is skipped; a half-finished one is not recorded, so it runs again). `env_url` (env_pack_url): the
+    environment is unpacked from there when it is there and passes the check, instead of installed
+    (pack_env_command puts it there)."""
     # Run from / so that ~/flaxchat (the repo folder) is not taken for the package.
     check = "import sys, flaxchat; sys.exit(0 if sys.version_info >= (3, 11) and flaxchat.__file__ else 3)"
+    install_line = f"(cd {REMOTE_REPO} && {install})"
+    if env_url:
+        install_line = f'if [ -z "$FROM_BUCKET" ]; then {install_line}; fi'
     return "\n".join([
         "set -e",
         f"mkdir -p {REMOTE_STATE}",
         f"rm -f {REMOTE_STATE}/setup.done",
         f'export FLAXCHAT_VENV="$HOME/{REMOTE_VENV}"',
+        # A Python that uv fetches lies under ~/.flaxchat, so that it is packed with the venv that uses it.
+        f'export UV_PYTHON_INSTALL_DIR="$HOME/{REMOTE_PYTHON}"',
         'UV="$(command -v uv || true)"',
         'if [ -z "$UV" ]; then',
         f'  UV="$HOME/{REMOTE_BOOTSTRAP}/bin/uv"',
@@ -175,7 +239,8 @@ def install_command(content_hash: str, install: str) -> str:
         "  fi",
         "fi",
         "export UV",
-        f"(cd {REMOTE_REPO} && {install})",
+        *(_env_from_bucket(env_url, check) if env_url else []),
+        install_line,
         f'if ! (cd / && "$FLAXCHAT_VENV/bin/python" -c {shlex.quote(check)}); then',
         f'  echo "flaxchat: the install left no Python >= {PYTHON_VERSION} that imports flaxchat in '
         f'~/{REMOTE_VENV}" >&2',

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 from flaxchat import uploads
 from flaxchat.paths import RunFolder
 from flaxchat.cloud import gcloud as g
+from flaxchat.cloud import goodput as gp
 from flaxchat.cloud import recovery as rec
 from flaxchat.cloud.topology import check_process_count, default_runtime_version, topology_for
 from flaxchat.errors import UserError, cli_main
@@ -68,6 +69,7 @@ class TPUConfig:
     ready_timeout_s: float = 3 * 3600.0  # a created VM (or queued resource) not READY by then is an error
     ssh_wait_s: float = 900.0  # a READY VM whose workers do not take ssh by then is an error
     setup_attempts: int = 3
+    price_per_chip_hour: float = 0.0  # for the cost estimate, where goodput.PRICES has none (or to override it)
 
     def validate(self) -> "TPUConfig":
         if not self.project:
@@ -124,6 +126,26 @@ def check_run_folder(config: TPUConfig, run_dir: str | None, why: str, required:
     raise UserError(f"{why}, but the run folder {run_dir} is on the VM's own disk, which a preemption or "
                     "a recreate deletes, so training would silently start again from step 0: use a gs:// "
                     "--run-dir (a bucket outlives the VM), or pass --allow-local-checkpoints to accept that.")
+
+
+def env_url_for(root: str, run_dir: str, install: str) -> str:
+    """The bucket object that holds the workers' packed environment for this repo's pins and install,
+    or "" (a run folder on the VM's disk dies with it, so nothing is packed there)."""
+    pyproject = os.path.join(root, "pyproject.toml")
+    if not run_dir.startswith("gs://") or not os.path.isfile(pyproject):
+        return ""
+    with open(pyproject) as f:
+        return g.env_pack_url(run_dir, g.env_key(f.read(), install))
+
+
+def run_env(env: Mapping[str, str] | None, run_dir: str | None) -> dict:
+    """The stage's env on the workers: with a run folder in a bucket, JAX's compilation cache lives
+    beside it (FLAXCHAT_CACHE_DIR, unless the user set one), so a recreated VM loads the train step
+    the one before it compiled instead of compiling it again."""
+    env = dict(env or {})
+    if run_dir and run_dir.startswith("gs://"):
+        env.setdefault("FLAXCHAT_CACHE_DIR", f"{run_dir.rstrip('/')}/xla-cache")
+    return env
 
 
 def _fmt_s(seconds: float) -> str:
@@ -191,6 +213,20 @@ class TPULauncher(RemoteRunner):
 
     def _ssh(self, command: str, worker="all", check=True, timeout=600.0) -> g.CommandResult:
         return self.ex.run(g.tpu_ssh(*self._where(), command, worker), check=check, timeout=timeout)
+
+    def _ledger(self, event: str, **fields) -> None:
+        """One event of the goodput ledger (flaxchat/cloud/goodput.py), timed by the launcher's clock."""
+        if not isinstance(self.ex, g.DryRunExecutor):
+            gp.append(gp.ledger_path(state_path(), self.config.project, self.config.tpu_name),
+                      {"t": self.clock(), "event": event, **fields})
+
+    def goodput(self) -> str:
+        """Chip-hours, goodput and the estimated cost of the latest run folder, from the ledger."""
+        c = self.config
+        chips = topology_for(c.accelerator_type).chips
+        acc = gp.account(gp.read(gp.ledger_path(state_path(), c.project, c.tpu_name)), chips, self.clock())
+        return gp.format_goodput(acc, c.accelerator_type, c.spot or c.preemptible, chips,
+                                 c.price_per_chip_hour or None)
 
     def _record(self, **fields) -> dict:
         """Remember this VM (and the latest run) for later calls that name only --project."""
@@ -271,6 +307,7 @@ class TPULauncher(RemoteRunner):
         if n != table:
             self.say(f"note: the VM has {n} worker(s); the topology table says {table}; using {n}")
         self._record(created=node.get("createTime"))
+        self._ledger("up")
         self.say(f"TPU VM {c.tpu_name} is READY with {n} worker(s) in {c.zone}")
         return node
 
@@ -350,6 +387,7 @@ class TPULauncher(RemoteRunner):
 
     def _delete(self) -> None:
         c = self.config
+        self._ledger("down")
         try:
             if c.spot:
                 self.ex.run(g.qr_delete(c.project, c.zone, c.queued_resource), timeout=3600)
@@ -397,22 +435,28 @@ class TPULauncher(RemoteRunner):
             self.sleep(delay)
             delay = min(60.0, delay * 2)
 
-    def setup(self, local_repo_path: str = ".", gcs: bool | None = None) -> None:
+    def setup(self, local_repo_path: str = ".", gcs: bool | None = None, run_dir: str | None = None) -> None:
         """Upload the repo (git ls-files) to every worker and build its venv, unless that exact tree and
-        install are there already. Waits for ssh first; a failed setup is tried again (setup_attempts)."""
+        install are there already. Waits for ssh first; a failed setup is tried again (setup_attempts).
+        `run_dir` (default: the last run's): when it is in a bucket, the workers take their environment
+        from it if it was built from the same pins (`g.env_key`), and pack a fresh one into it."""
         node = self._ready_node()
         n = len(node["networkEndpoints"])
         root = os.path.abspath(local_repo_path)
         if not os.path.isdir(root):
             raise UserError(f"--upload path {local_repo_path} is not a folder.")
+        run_dir = run_dir or (self.remembered().get("run") or {}).get("run_dir") or ""
         if gcs is None:
-            gcs = ((self.remembered().get("run") or {}).get("run_dir") or "").startswith("gs://")
+            gcs = run_dir.startswith("gs://")
         install = self.config.install_for(gcs)
+        env_url = env_url_for(root, run_dir, install)
         self._wait_for_ssh(n)
         attempts = max(1, self.config.setup_attempts)
+        t0 = self.clock()
         for attempt in range(1, attempts + 1):
             try:
-                return self._setup_once(root, n, install)
+                self._setup_once(root, n, install, env_url)
+                return self._ledger("setup", t0=t0, t1=self.clock())
             except (g.GcloudError, RemoteTimeout) as e:
                 if attempt == attempts:
                     raise RemoteError(f"setup failed on TPU VM {self.config.tpu_name} {attempts} time(s); the last "
@@ -420,12 +464,12 @@ class TPULauncher(RemoteRunner):
                 self.say(f"setup attempt {attempt} of {attempts} failed ({e}); trying again")
                 self.sleep(min(60.0, 5.0 * attempt))
 
-    def _setup_once(self, root: str, n: int, install: str) -> None:
+    def _setup_once(self, root: str, n: int, install: str, env_url: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tarball = os.path.join(tmp, g.REMOTE_TARBALL)
             # The same selection as the Kaggle runner's: tracked files, never secret-looking names.
             files = uploads.repo_files(root)
-            digest = g.make_tarball(root, tarball, files, extra=install)
+            digest = g.make_tarball(root, tarball, files, extra=install + env_url)
             have = self._ssh(g.setup_marker_command(), check=False, timeout=300).stdout.split()
             if have.count(digest) >= n:
                 self.say(f"setup is up to date on all {n} worker(s) ({digest})")
@@ -436,7 +480,11 @@ class TPULauncher(RemoteRunner):
             self.ex.run(g.tpu_scp_to(*self._where(), tarball, g.REMOTE_TARBALL, "all"), timeout=1800)
         self._ssh(g.unpack_command(), timeout=600)
         self.say(f"installing on {n} worker(s) into ~/{g.REMOTE_VENV}: {install}")
-        self._ssh(g.install_command(digest, install), timeout=3600)  # the workers' marker is the truth
+        said = self._ssh(g.install_command(digest, install, env_url), timeout=3600).stdout  # markers: the truth
+        if env_url:  # worker 0 packs what it installed, once per lock (a no-op when the pack is there)
+            said += self._ssh(g.pack_env_command(env_url), worker=0, check=False, timeout=3600).stdout
+        for line in dict.fromkeys(x for x in said.splitlines() if x.startswith("flaxchat: ")):
+            self.say(line[len("flaxchat: "):])
         self._report_ready(n)
 
     def _report_ready(self, n: int) -> None:
@@ -491,7 +539,7 @@ class TPULauncher(RemoteRunner):
         if n > 1 and run_dir and not (run_dir.startswith("gs://") or os.path.isabs(run_dir)):
             self.say(f"warning: {n} workers write checkpoints to {run_dir!r} on their own disks; use a gs:// "
                      "--run-dir so they share one checkpoint that survives a recreated VM")
-        self._write_env(node, env, secrets)
+        self._write_env(node, run_env(env, run_dir), secrets)
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         res = self._ssh(g.start_command(run_id, with_run_dir(what, run_dir), marker), check=False, timeout=600)
         if "can't open file" in res.stderr + res.stdout:
@@ -499,6 +547,7 @@ class TPULauncher(RemoteRunner):
         if res.returncode != 0:
             raise RemoteError(f"starting the command failed on TPU VM {self.config.tpu_name}: "
                               f"{g.one_line(res.stderr + res.stdout)}")
+        self._ledger("start", run_id=run_id, run_dir=run_dir)
         self._record(run={"run_id": run_id, "command": what, "run_dir": run_dir, "marker": marker,
                           "env": dict(env or {}), "secret_names": sorted(secrets or {}), "started": time.time()})
         self.say(f"started on {n} worker(s) (run {run_id}): {what}")
@@ -560,10 +609,25 @@ class TPULauncher(RemoteRunner):
             for i, w in enumerate(self._worker_status(len(node["networkEndpoints"]), marker)):
                 workers.append({**w, "reachable": True} if w else {"worker": i, "reachable": False})
         deadline = rec.Policy().heartbeat_deadline_s
+        self._note_progress(state, workers)
         qr = self.describe_qr()
         return {"vm": c.tpu_name, "zone": c.zone, "accelerator": c.accelerator_type, "state": state,
                 "health": (node or {}).get("health"), "qr_state": g.qr_state(qr)[0] if qr else None,
                 "workers": workers, "problems": rec.health_problems(state, workers, deadline)}
+
+    def _note_progress(self, state: str, workers: list[dict]) -> None:
+        """What goodput needs from a poll: a VM found gone, worker 0's step and first step (the progress
+        file's times, as ages, on this clock)."""
+        if state in ("PREEMPTED", "TERMINATED", "NOT_FOUND"):
+            return self._ledger("down")
+        w = workers[0] if workers else {}
+        if w.get("step") is None or w.get("progress_age") is None or not w.get("run_id"):
+            return
+        now = self.clock()
+        first = {}
+        if w.get("first_age") is not None:
+            first = {"first_step": w["first_step"], "first_t": now - w["first_age"]}
+        self._ledger("progress", run_id=w["run_id"], step=w["step"], step_t=now - w["progress_age"], **first)
 
     def status(self) -> RunStatus:
         h = self.health()
@@ -718,7 +782,7 @@ class TPULauncher(RemoteRunner):
         def recreate():  # a new VM has a new disk: setup (with its retries) runs again before the command
             self._delete()
             self.create()
-            self.setup(local_repo_path, gcs=bool(run_dir and run_dir.startswith("gs://")))
+            self.setup(local_repo_path, gcs=bool(run_dir and run_dir.startswith("gs://")), run_dir=run_dir)
             start()
 
         actions = type("RecoveryActions", (), {"start": staticmethod(start), "restart": staticmethod(restart),
@@ -728,6 +792,7 @@ class TPULauncher(RemoteRunner):
         decision = rec.recover_loop(lambda: self.observe(current["run_id"], marker, clock()), actions,
                                     policy, clock=clock, sleep=sleep, log=self.say, timeout=timeout)
         ok = decision.action is rec.Action.DONE
+        self.say(self.goodput())
         return RunResult(state="done" if ok else "failed", ok=ok, error_name=None if ok else "GaveUp",
                          error_value=None if ok else decision.reason)
 

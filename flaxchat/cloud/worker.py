@@ -432,6 +432,8 @@ def status(state_dir: str, marker: str = "") -> dict:
             "step": progress.get("step"), "steps": progress.get("steps"), "loss": progress.get("loss"),
             "tok_s": progress.get("tok_s"), "stage": progress.get("stage"),
             "progress_age": max(0.0, now - since) if since else None,
+            "first_step": progress.get("first_step"),
+            "first_age": max(0.0, now - progress["first_time"]) if progress.get("first_time") else None,
             "disk_used_pct": round(100.0 * disk.used / disk.total, 1), "disk_free_gb": round(disk.free / 1e9, 1),
             "marker": marker or None, "complete": marker_exists(marker, cwd), "hang_file": last_hang(state_dir)}
 

@@ -649,6 +649,15 @@ def storage(verb: str, args: list[str]) -> int:
         if len(pos) != 2:
             raise GcloudFail("cp needs a source and a destination.", 2)
         src, dest = pos
+        if dest.startswith("gs://") and not src.startswith("gs://"):  # an upload: one file, one object
+            if not os.path.isfile(src):
+                raise GcloudFail(f"The following URLs matched no objects or files:\n-{src}", 1)
+            target = _bucket_path(dest)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.uploading{os.getpid()}"  # an object appears whole or not at all, as on GCS
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, target)
+            return 0
         local_src = _bucket_path(src.rstrip("/"))
         if not os.path.exists(local_src):
             raise GcloudFail(f"The following URLs matched no objects or files:\n-{src}", 1)
