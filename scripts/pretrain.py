@@ -11,6 +11,7 @@ form one job when JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID a
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import math
 import sys
@@ -80,8 +81,11 @@ def parse_args(argv, defaults=None, description=__doc__, prog="python -m scripts
     return parse_config(TrainConfig, argv, prog=prog, description=description, defaults=defaults, help=HELP)
 
 
-def main(argv=None, defaults=None) -> int:
-    run(parse_args(argv, defaults))
+def main(argv=None, defaults=None, tune=False) -> int:
+    tc = parse_args(argv, defaults)
+    if tune:  # after the flags, so that --help and a bad flag answer without JAX
+        tune_process()
+    run(tc)
     return 0
 
 
@@ -482,5 +486,4 @@ def _until_bos(tokens, bos):
 
 
 if __name__ == "__main__":
-    tune_process()
-    sys.exit(cli_main(main))
+    sys.exit(cli_main(functools.partial(main, tune=True)))

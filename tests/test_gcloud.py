@@ -13,7 +13,7 @@ import pytest
 
 from flaxchat.cloud.rehearsal import emulator
 from flaxchat.cloud import gcloud as g
-from flaxchat.cloud.worker import _pid_alive  # zombie-aware
+from flaxchat.runner.worker import _pid_alive  # zombie-aware
 from flaxchat.errors import UserError
 
 P, Z = "proj", "us-central2-b"

@@ -279,7 +279,7 @@ def _wait_for(state, line: str, timeout: float = 60) -> None:
 @pytest.mark.timeout(120)
 def test_a_stalled_step_leaves_its_python_stacks_before_it_is_killed(tmp_path):
     # Started from an ssh session (its own session, as sshd makes one) that then drops: SIGHUP to it.
-    from flaxchat.cloud import worker
+    from flaxchat.runner import worker
     state = tmp_path / "state"
     (tmp_path / "stalled.py").write_text(STALLED)
     start = [sys.executable, worker.__file__, "start", "--state-dir", str(state), "--run-id", "r1", "--cwd",

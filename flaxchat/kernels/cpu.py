@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxchat import ops
+from flaxchat.kernels.cpu_layout import stored_transpose
 
 DEFAULT_ATTENTION = "blockwise"
 
@@ -39,7 +40,7 @@ ATTENTION = {"blockwise": _blockwise}  # the kernels this file adds to --attenti
 
 def kernels(attention_name: str, attention, grad_checkpoint: bool):
     """The CPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
-    from flaxchat.kernels import Kernels
+    from flaxchat.kernels.record import Kernels
     from flaxchat.kernels.cpu_muon import polar_express
     return Kernels(backend="cpu", attention_name=attention_name, attention=attention, matmul=matmul,
                    rotary_rms_norm=rotary_rms_norm, cross_entropy=softcap_cross_entropy,
@@ -50,28 +51,6 @@ def kernels(attention_name: str, attention, grad_checkpoint: bool):
                    muon_batched=False,
                    remat=remat_block if grad_checkpoint else None, scan_unroll=SIDE_BY_SIDE,
                    halve_lone_micro_batch=halves_a_lone_micro_batch(), flat_gradient_reduce=True)
-
-
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
-
-
-def stored_transpose(x: jax.Array, perm) -> jax.Array:
-    """`jnp.transpose(x, perm)` as a copy of the materialised x, on CPU (a plain transpose on the
-    other backends, where the CPU kernels here run only when asked for by name).
-
-    XLA:CPU fuses a transpose with the elementwise work that produced its input and then runs the
-    producer column by column: relu²(h)ᵀ for h (2048, 1024) took 12.2 ms where transposing a
-    stored array took 0.6 ms. It drops optimization barriers before fusing, but never fuses
-    across a conditional, so the transpose goes in one (both branches the same; the predicate reads
-    the data, so the compiler cannot fold the conditional away). One train step of an 8L/512d GPT:
-    1,171 -> 1,059 ms; 4L/256d: 295 -> 270 ms (2-core AMD EPYC, interleaved).
-    """
-    if not _on_cpu():
-        return jnp.transpose(x, perm)
-    flat = x.reshape(-1)
-    keep = flat[0] == flat[0]  # True, except for a NaN (then the other, identical branch runs)
-    return jax.lax.cond(keep, lambda a: jnp.transpose(a, perm), lambda a: jnp.transpose(a, perm), x)
 
 
 # --- linear -------------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxchat.kernels.cpu import stored_transpose
-from flaxchat.optim import POLAR_EXPRESS, normalised, polar_iterations
+from flaxchat.kernels.cpu_layout import stored_transpose
+from flaxchat.ops import POLAR_EXPRESS, normalised, polar_iterations
 
 # fp32 iterates and Gram matrix, and the other two products of each iteration (the polynomial's A·A
 # and its product with x) from bf16 operands accumulated in fp32; rectangular matrices (one side at

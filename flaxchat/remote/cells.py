@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Callable
 
-from flaxchat.remote.base import OutputCallback, RemoteConnectionError, RemoteError, RunResult
+from flaxchat.runner.base import OutputCallback, RemoteConnectionError, RemoteError, RunResult
 from flaxchat.remote.jupyter import (KernelConnection, KernelGone, JupyterREST, _ConnectionLost, new_message)
 
 # A display_data bundle with this type carries a value back to the runner (see kaggle.py): not

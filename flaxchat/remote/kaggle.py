@@ -16,7 +16,7 @@
 Any Jupyter server works (the tests use a local one, with a second client playing the notebook's
 tab). The kernel is shared with that tab, so the runner uses it as little as possible: to install,
 to probe the devices, to start a job and to run your code. A job runs under the pods' supervisor
-(`flaxchat/cloud/worker.py`, run by path) with a watcher next to it (`kernel_side.py`); its log, exit
+(`flaxchat/runner/worker.py`, run by path) with a watcher next to it (`kernel_side.py`); its log, exit
 code and progress are followed, and a stop is requested, through the server's file API, so a busy
 notebook cell never delays them and is never interrupted by them. Files live under `flaxchat_remote/`
 in the server's root folder (`/kaggle/working` on Kaggle): `src/` (the uploaded repo), `setup.json`,
@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from flaxchat import uploads
-from flaxchat.cloud import worker as worker_module
-from flaxchat.errors import UserError, cli_main
+from flaxchat.runner import worker as worker_module
+from flaxchat.errors import UserError
 from flaxchat.remote import kernel_side
-from flaxchat.remote.base import OutputCallback, RemoteError, RemoteRunner, RunResult, RunStatus
+from flaxchat.runner.base import OutputCallback, RemoteError, RemoteRunner, RunResult, RunStatus
 from flaxchat.remote.cells import RESULT_MIME, CellFiles, Follow, execute, print_output, reattach
 from flaxchat.remote.jupyter import JupyterREST, KernelConnection, parse_server_url
 from flaxchat.remote.kaggle_jobs import Job, JobFollower
@@ -685,6 +685,6 @@ def _json_or_none(data: bytes | None) -> Any:
         return None
 
 
-if __name__ == "__main__":  # python -m flaxchat.remote.kaggle URL ...; the CLI lives in flaxchat/remote/__main__.py
-    from flaxchat.remote.__main__ import main
-    sys.exit(cli_main(main))
+if __name__ == "__main__":  # python -m flaxchat.remote.kaggle URL ...: the CLI is flaxchat/remote/__main__.py
+    import runpy
+    runpy.run_module("flaxchat.remote", run_name="__main__", alter_sys=True)
