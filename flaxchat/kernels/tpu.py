@@ -12,7 +12,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from flaxchat import ops
 from flaxchat.kernels.fused_loss import softcap_loss_sum
