@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import time
 
 from flaxchat.errors import UserError, cli_main
+from flaxchat.profiling import top_lines
 
 KERNELS = {"tpu": ("splash", "xla", "blockwise"), "gpu": ("cudnn", "xla", "blockwise"), "cpu": ("blockwise", "xla")}
 REMATS = ("none", "full", "dots", "attention")
@@ -212,42 +212,13 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
 def profile(compiled, state, x, y, folder: str, steps: int = 3, top: int = 12) -> dict:
     """Trace `steps` calls of the compiled step into `folder`; the device time per operation."""
     import jax
+
+    from flaxchat.profiling import top_operations
     with jax.profiler.trace(folder):
         for _ in range(steps):
             loss, state = compiled(state, x, y)
         jax.block_until_ready(loss)
-    ops_time = device_op_times(folder)
-    total = sum(ops_time.values()) or 1.0
-    kinds: dict[str, float] = {}
-    for name, seconds in ops_time.items():  # "%fusion.6606 = bf16[...] ..." -> "fusion"
-        kind = re.sub(r"\.\d+$", "", name.split(" = ")[0].lstrip("%"))
-        kinds[kind] = kinds.get(kind, 0.0) + seconds
-    ranked = lambda d: [(name, seconds / steps * 1e3, 100 * seconds / total)
-                        for name, seconds in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
-    return dict(folder=folder, state=state, top=ranked(ops_time), kinds=ranked(kinds))
-
-
-def device_op_times(folder: str) -> dict[str, float]:
-    """Seconds per operation name summed over the trace's device planes ("XLA Ops" lines); the
-    host's XLA op events where the trace has no device plane (CPU)."""
-    import glob
-
-    from jax.profiler import ProfileData
-    found = sorted(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True))
-    if not found:
-        return {}
-    data = ProfileData.from_file(found[-1])
-    times: dict[str, float] = {}
-    planes = [p for p in data.planes if p.name.startswith("/device:")] or list(data.planes)
-    for plane in planes:
-        for line in plane.lines:
-            if plane.name.startswith("/device:") and line.name != "XLA Ops":
-                continue
-            for event in line.events:
-                if event.name.startswith("$"):  # a Python frame of the host's trace
-                    continue
-                times[event.name] = times.get(event.name, 0.0) + event.duration_ns / 1e9
-    return times
+    return dict(folder=folder, state=state, **top_operations(folder, steps, top))
 
 
 def main(argv=None) -> int:
@@ -303,12 +274,8 @@ def main(argv=None) -> int:
                     print(f"{'d' + str(depth):>5} {kernel:>9} {remat:>9} {r['kind']:>9} {r['tok_s']:>10,.0f} "
                           f"{spec_mfu} {100 * r['mfu_measured']:>7.1f}% {r['ms']:>7.1f}ms {r['compile_s']:>7.1f}s "
                           f"{r['program_bytes'] / 2**30:>7.2f}G", flush=True)
-                    prof = r.get("profile", {})
-                    for title in ("top", "kinds") if prof else ():
-                        print(f"{'':>16} device time by {'operation' if title == 'top' else 'kind of operation'} "
-                              f"(a loop's own line includes its body's operations):")
-                        for name, ms, share in prof[title]:
-                            print(f"{'':>16} {share:5.1f}% {ms:8.2f} ms/step  {name[:90]}")
+                    if r.get("profile"):
+                        print("\n".join(top_lines(r["profile"])))
                 peak = results[-1].get("runtime_peak_bytes") or peak
                 rows.extend(results)
     print("-" * len(head))

@@ -186,6 +186,7 @@ class Checkpointer:
         self.read_only, self.async_save, self.max_to_keep = read_only, async_save, max_to_keep
         self._saving: int | None = None  # the step whose write is in flight (or not yet confirmed)
         self._step_bytes = 0  # array bytes of the last save: what a step needs on disk, about
+        self.run_lock = None  # the run folder's lock (flaxchat.run_lock), given back by close()
         if read_only:
             # Set to what read_only forces anyway, so Orbax does not warn about each one.
             # lightweight_initialize: step metadata is not read on opening, so a step the owner
@@ -473,6 +474,8 @@ class Checkpointer:
         finally:
             self._saving = None
             self._mgr.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
 
 
 def open_reader(directory: str) -> Checkpointer:

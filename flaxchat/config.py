@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Mapping
@@ -157,6 +158,9 @@ class RunConfig:
     seed: int = 0
     fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
     preempt_grace: float = 25.0  # seconds from SIGTERM to exit, the save included (clouds kill ~30 s after)
+    tracker: str = "none"  # flaxchat.trackers: wandb, tensorboard, none, or a comma list
+    run_name: str = ""  # the trackers' name of the run (default: the run folder's name)
+    profile_steps: str = ""  # A:B: a jax.profiler trace of steps A..B-1 into <run>/profile (flaxchat.profiling)
 
     def validate_run(self, **every: int) -> None:
         """The shared flags' checks; `every` adds a stage's own cadences (--sample-every)."""
@@ -167,6 +171,10 @@ class RunConfig:
             raise UserError(f"--preempt-grace must be more than 0 seconds (got {self.preempt_grace}).")
         if self.log_every < 1:
             raise UserError(f"--log-every must be at least 1 (got {self.log_every}).")
+        from flaxchat.profiling import parse_steps
+        from flaxchat.trackers import check_trackers
+        check_trackers(self.tracker)  # a missing library is one sentence now, not after the model is built
+        parse_steps(self.profile_steps)
         check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every, **every)
 
 
@@ -175,6 +183,7 @@ class TrainConfig(RunConfig):
     """Everything about a pretraining run except the model shape. Flags: --kebab-case of each field."""
 
     data: str = "stories"  # 'stories' (built-in), a path/glob of .txt/.jsonl/.parquet, or hf:owner/name
+    text_field: str = "text"  # the .jsonl field / parquet column holding the text
     depth: int = 4
     sequence_len: int = 256
     vocab_size: int = 4096
@@ -239,11 +248,11 @@ class TrainConfig(RunConfig):
         lrs = dict(matrix_lr=self.matrix_lr, embedding_lr=self.embedding_lr, unembedding_lr=self.unembedding_lr,
                    scalar_lr=self.scalar_lr, weight_decay=self.weight_decay)
         for name, value in lrs.items():
-            if value < 0:  # a negative rate climbs the loss
-                raise UserError(f"--{name.replace('_', '-')} must be 0 or more (got {value}).")
+            if not math.isfinite(value) or value < 0:  # a negative rate climbs the loss; nan trains to nan
+                raise UserError(f"--{name.replace('_', '-')} must be 0 or more and finite (got {value}).")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise UserError(f"--adam-beta1 and --adam-beta2 must lie in [0, 1) (got {self.adam_beta1}, {self.adam_beta2}).")
-        if self.param_data_ratio <= 0:
+        if not (math.isfinite(self.param_data_ratio) and self.param_data_ratio > 0):
             raise UserError(f"--param-data-ratio must be positive (got {self.param_data_ratio}).")
         if self.eval_tokens < 1 or self.num_samples < 0:
             raise UserError("--eval-tokens must be at least 1 and --num-samples 0 or more.")
@@ -253,6 +262,17 @@ class TrainConfig(RunConfig):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# --help of the flags every training stage has (RunConfig's); a stage's own help text overrides them.
+RUN_HELP = {
+    "tracker": "also log every figure of metrics.jsonl (loss, LR multiplier, tok/s, MFU, validation), sampled "
+               "text and the resolved config to wandb, tensorboard (<run-dir>/tensorboard), both as a comma "
+               "list, or none; a resumed run continues the same W&B run (its id is kept in <run-dir>/trackers.json)",
+    "run_name": "the run's name in the trackers (default: the run folder's name)",
+    "profile_steps": "A:B traces steps A to B-1 with jax.profiler into <run-dir>/profile (TensorBoard or Perfetto) "
+                     "and prints the top device operations, e.g. 10:13",
+}
 
 
 # --- dataclass <-> argparse --------------------------------------------------------------------
@@ -289,6 +309,8 @@ def parse_config(cls, argv, *, prog: str, description: str | None, defaults: Map
                  help: Mapping[str, str] | None = None):
     """A script's config dataclass from its command line (one --kebab-case flag per field), validated."""
     parser = ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if issubclass(cls, RunConfig):
+        help = {**RUN_HELP, **(help or {})}
     add_dataclass_args(parser, cls, defaults, help)
     cfg = dataclass_from_args(cls, parser.parse_args(argv))
     cfg.validate()

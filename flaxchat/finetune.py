@@ -14,6 +14,7 @@ and the chat scripts open the result like any run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable
 
@@ -52,8 +53,8 @@ class StageConfig(RunConfig):
         if not self.base:
             raise UserError(f"--base is required: the run folder of {what}.")
         self.validate_run()
-        if self.lr_frac <= 0:
-            raise UserError(f"--lr-frac must be positive (got {self.lr_frac}).")
+        if not (math.isfinite(self.lr_frac) and self.lr_frac > 0):
+            raise UserError(f"--lr-frac must be positive and finite (got {self.lr_frac}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,8 @@ class Stage:
 
     def save(self, step: int, **meta) -> None:
         self.checkpointer.save(step, self.model, self.optimizer,
-                               dict(meta, model_config=self.model.config.to_dict(), optim_config=self.base_lrs))
+                               dict(meta, model_config=self.model.config.to_dict(), optim_config=self.base_lrs,
+                                    tokenizer=self.tokenizer.fingerprint()))
 
     def loader_states(self, streams: list[int]) -> list | None:
         """The resumed checkpoint's loader states for this job's streams, resharded when the job
@@ -170,12 +172,17 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     paths.check_writable(run_dir)
     compute = compute_init(dtype)
     cfg, tokenizer, base_meta = read_run(base)
+    tokenizer.check_matches(base_meta.get("tokenizer"), f"the checkpoint of --base {base}",
+                            "put back the tokenizer folder that run was trained with.")
     ckpt_dir = paths.RunFolder(run_dir).checkpoints
     checkpointer, resume, meta = open_checkpoints(run_dir, fresh=fresh, keep=keep, is_main=compute.is_main,
                                                   log=log, name=name)
     if meta is not None and GPTConfig.from_dict(meta["model_config"]) != cfg:
         raise UserError(f"{run_dir} holds a checkpoint of a different model than {base}; "
                         "use --fresh or another --run-dir.")
+    if meta is not None:
+        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {run_dir}",
+                                "resume from the --base it started from, or use --fresh or another --run-dir.")
     if compute.is_main:
         with paths.local_copy(paths.RunFolder(run_dir).tokenizer) as local:
             tokenizer.save(local)

@@ -358,6 +358,17 @@ def check_writable(folder: str) -> None:
     _probe(folder, "pick a folder you may write to", "the run folder ")
 
 
+def _dangling(path: str) -> str | None:
+    """The first link on the way to `path` that resolves to nothing (a loop or a missing target)."""
+    path = os.path.abspath(_local(path))
+    parts = path.split(os.sep)
+    for i in range(2, len(parts) + 1):
+        head = os.sep.join(parts[:i])
+        if os.path.islink(head) and not os.path.exists(head):
+            return head
+    return None
+
+
 def _probe(folder: str, advice: str, what: str = "") -> None:
     """Make `folder`, write and delete a probe file there; a failure is one sentence with `advice`."""
     probe = join(folder, f".flaxchat-probe-{uuid.uuid4().hex[:12]}")
@@ -369,6 +380,8 @@ def _probe(folder: str, advice: str, what: str = "") -> None:
         raise
     except OSError as e:  # local: permission, read-only file system, a file where the folder should be
         reason = e.strerror or (str(e).splitlines() or [""])[0][:200] or type(e).__name__
+        if not is_remote(folder) and _dangling(folder):
+            reason = f"{_dangling(folder)} is a symbolic link that leads nowhere: a loop, or its target is missing"
         raise UserError(f"cannot write to {what}{folder} ({reason}); {advice}") from None
 
 
@@ -418,6 +431,7 @@ class RunFolder:
         <root>/report.md, loss.png, samples.txt, eval.json
         <root>/export/               model.pkl, weights.npz, model.stablehlo, tokenizer/ (scripts.export)
         <root>/COMPLETE              written last, by process 0: the stage finished (what launchers wait for)
+        <root>/run.lock              who is writing here now (flaxchat.run_lock; only while a stage runs)
     """
 
     CHECKPOINTS = "checkpoints"
@@ -430,6 +444,7 @@ class RunFolder:
     SAMPLES = "samples.txt"
     EVAL = "eval.json"
     EXPORT = "export"
+    LOCK = "run.lock"
     # Orbax writes one sub-folder per item of a step; `meta` is the one every flaxchat step has.
     STEP_META = "meta"
 
@@ -459,6 +474,7 @@ class RunFolder:
     samples = property(lambda self: self.path(self.SAMPLES))
     eval = property(lambda self: self.path(self.EVAL))
     export = property(lambda self: self.path(self.EXPORT))
+    lock = property(lambda self: self.path(self.LOCK))
 
     @classmethod
     def is_step(cls, folder: str) -> bool:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from typing import Any, Callable, Iterable
 
 from flaxchat import paths
+from flaxchat.errors import UserError
 
 
 class MetricsLog:
@@ -22,19 +24,35 @@ class MetricsLog:
     that many seconds of lines; a resumed run logs those steps again.
     """
 
-    def __init__(self, path: str, flush_every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, path: str, flush_every_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 trackers: Iterable = ()):
         self.path = path
+        self.trackers = list(trackers)  # flaxchat.trackers: each line appended is also logged to them
         self.flush_every_s = flush_every_s
         self._clock = clock
         self._remote = paths.is_remote(path)
         self._text: list[str] | None = None  # remote: the file's lines, uploaded whole on flush
         self._dirty = False
         self._flushed_at = float("-inf")
+        if not self._remote and os.path.islink(path):
+            raise self._link()
+
+    def _link(self) -> UserError:
+        return UserError(f"{self.path} is a symbolic link (to {os.readlink(self.path)}); a run writes its own "
+                         "metrics there and never through a link into another file: remove the link.")
 
     def append(self, **entry) -> None:
+        self.note(**entry)
         line = json.dumps(entry) + "\n"
         if not self._remote:
-            with paths.open_file(self.path, "a") as f:
+            # O_NOFOLLOW: a link put there while the run trains is refused too, not written through.
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except OSError as e:
+                if os.path.islink(self.path):
+                    raise self._link() from None
+                raise
+            with os.fdopen(fd, "a") as f:
                 f.write(line)
             return
         if self._text is None:
@@ -43,6 +61,17 @@ class MetricsLog:
         self._dirty = True
         if self._clock() - self._flushed_at >= self.flush_every_s:
             self.flush()
+
+    def note(self, **entry) -> None:
+        """To the trackers only (sampled text): not a line of metrics.jsonl."""
+        for tracker in self.trackers:
+            tracker.log(entry)
+
+    def close(self) -> None:
+        self.flush()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def flush(self) -> None:
         if self._dirty:

@@ -129,28 +129,38 @@ def barrier(name: str) -> None:
 
 def open_checkpoints(run_dir: str, *, fresh: bool, keep: int, is_main: bool, log: Callable[[str], None],
                      name: str = "stage"):
-    """(checkpointer, resume step or None, its meta or None) for `run_dir/checkpoints`."""
+    """(checkpointer, resume step or None, its meta or None) for `run_dir/checkpoints`. Process 0
+    first takes the run folder's lock (`flaxchat.run_lock`: a second writer is refused in one
+    sentence naming the first), which `checkpointer.close()` gives back."""
     from flaxchat import checkpoint as ckpt
     from flaxchat import paths
-    ckpt_dir = paths.RunFolder(run_dir).checkpoints
-    if fresh and is_main:
-        moved = ckpt.set_aside(ckpt_dir)
-        if moved:
-            log(f"--fresh: moved the existing checkpoints to {moved}")
-    barrier(f"{name}-fresh")
-    found = paths.listdirs(ckpt_dir)  # before opening: the owner's opening removes a cut-short save
-    checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
-    step = meta = None
-    if checkpointer.all_steps():
-        # A damaged latest step (checksums) is moved aside by process 0 and the newest intact one
-        # resumed; every process checks, so all of them agree on the step.
-        step, meta = checkpointer.newest_intact(log=log, move_damaged=is_main)
-    elif not fresh:
-        started = starting_over(run_dir, found)
-        if started:
-            log(f"{name}: {started}")
-    barrier(f"{name}-intact")
-    checkpointer.reload()
+    from flaxchat.run_lock import RunLock
+    lock = RunLock.acquire(run_dir, log=log) if is_main else None
+    try:
+        ckpt_dir = paths.RunFolder(run_dir).checkpoints
+        if fresh and is_main:
+            moved = ckpt.set_aside(ckpt_dir)
+            if moved:
+                log(f"--fresh: moved the existing checkpoints to {moved}")
+        barrier(f"{name}-fresh")
+        found = paths.listdirs(ckpt_dir)  # before opening: the owner's opening removes a cut-short save
+        checkpointer = ckpt.Checkpointer(ckpt_dir, max_to_keep=keep)
+        step = meta = None
+        if checkpointer.all_steps():
+            # A damaged latest step (checksums) is moved aside by process 0 and the newest intact one
+            # resumed; every process checks, so all of them agree on the step.
+            step, meta = checkpointer.newest_intact(log=log, move_damaged=is_main)
+        elif not fresh:
+            started = starting_over(run_dir, found)
+            if started:
+                log(f"{name}: {started}")
+        barrier(f"{name}-intact")
+        checkpointer.reload()
+        checkpointer.run_lock = lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return checkpointer, step, meta
 
 

@@ -133,6 +133,24 @@ class Tokenizer:
             raise UserError(f"the tokenizer file {path} was written by another version; delete it and train again")
         return cls({t: i for i, t in enumerate(tokens)}, payload["pattern"], payload.get("meta"))
 
+    def fingerprint(self) -> str:
+        """16 hex digits of SHA-256 over the split pattern, the token bytes in rank order and the
+        special tokens: what a checkpoint records, so that a model is never resumed, finetuned or
+        initialised with another tokenizer of the same size (its token ids would mean other text)."""
+        import hashlib
+        h = hashlib.sha256(self.pattern.encode("utf-8"))
+        for token, _ in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(len(token).to_bytes(4, "little") + token)
+        h.update("\n".join(SPECIAL_TOKENS).encode("utf-8"))
+        return h.hexdigest()[:16]
+
+    def check_matches(self, saved: str | None, what: str, advice: str) -> None:
+        """One sentence when `what` (a checkpoint) recorded another tokenizer's fingerprint `saved`;
+        a checkpoint from before fingerprints (None) is taken as it is."""
+        if saved and saved != self.fingerprint():
+            raise UserError(f"{what} was trained with another tokenizer (fingerprint {saved}, this one "
+                            f"{self.fingerprint()}): its token ids would mean other text; {advice}")
+
     # --- encoding --------------------------------------------------------------------------------
 
     @property
@@ -282,6 +300,18 @@ def _parts(content: str | list[dict]) -> list[dict]:
 
 
 # --- default location and train-once helper ------------------------------------------------------
+
+
+def fingerprint_beside(path: str) -> str | None:
+    """The fingerprint of the tokenizer saved with the weights at `path` (a run folder's
+    `tokenizer/`, or the `tokenizer/` beside an exported model.pkl / weights.npz), None if none."""
+    from flaxchat import paths
+    folder = path if paths.isdir(path) else paths.parent(path)
+    found = paths.join(folder, "tokenizer")
+    if not paths.exists(paths.join(found, FILENAME)):
+        return None
+    with paths.local_copy(found, upload=False) as local:
+        return Tokenizer.load(local).fingerprint()
 
 
 def get_default_tokenizer_dir() -> Path:

@@ -85,19 +85,28 @@ class BadRequest(Exception):
         self.status = status
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request was read whole: there is no one to answer."""
+
+
 async def read_body(request, limit: int) -> bytes:
     """The request body, read only up to `limit` bytes: a larger one is refused (413) without
-    holding it in memory (a 200 MB body used to be read whole)."""
+    holding it in memory (a 200 MB body used to be read whole). A client that leaves mid-body is
+    `ClientGone` (Starlette's ClientDisconnect used to end in a traceback in the server's log)."""
+    from starlette.requests import ClientDisconnect
     too_big = f"the request body is larger than the server's limit of {limit:,} bytes (--max-body-bytes)."
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(too_big, 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(too_big, 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(too_big, 413)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
     return b"".join(chunks)
 
 
@@ -169,7 +178,16 @@ def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), 
     GIL while it computes), tokens travel to the event loop through a queue per request. `mode`:
     "chat" renders the conversation with the chat template, "complete" continues the last message."""
     from fastapi import FastAPI
-    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.requests import ClientDisconnect
+
+    class Stream(StreamingResponse):
+        """A reply stream whose client may leave: under ASGI spec 2.4 Starlette raises
+        ClientDisconnect from the send; the generator's `finally` has freed the slot by then."""
+
+        async def __call__(self, scope, receive, send):
+            with contextlib.suppress(ClientDisconnect):
+                await super().__call__(scope, receive, send)
 
     from flaxchat.chat_mode import completion_prompt
     from flaxchat.loading import chat_prompt, stream_text
@@ -213,6 +231,8 @@ def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), 
                 prompt = chat_prompt(tokenizer, req["messages"])
             else:
                 prompt = completion_prompt(tokenizer, req["messages"][-1]["content"])
+        except ClientGone:
+            return Response(status_code=400)  # nobody reads it; uvicorn drops it quietly
         except BadRequest as e:
             return error(e.status, str(e))
         except UserError as e:
@@ -224,7 +244,7 @@ def create_app(engine, tokenizer, *, slots: int = 2, limits: Limits = Limits(), 
         if p.full():
             return error(503, f"the server is busy ({p.waiting} requests waiting); try again in a moment.")
         sampling = dict(max_tokens=req["max_tokens"], temperature=float(req["temperature"]), top_k=req["top_k"])
-        return StreamingResponse(_reply_events(p, engine, tokenizer, prompt, sampling, stream_text),
+        return Stream(_reply_events(p, engine, tokenizer, prompt, sampling, stream_text),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app

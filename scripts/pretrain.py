@@ -70,6 +70,7 @@ HELP = {
     "log_every": "steps between progress lines",
     "seed": "seed of the initialisation and the data order",
     "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
+    "text_field": "the .jsonl field or parquet column that holds the text (a hub --data sets it with ?field=)",
     "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
     "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
     "num_samples": "stories sampled at each --sample-every and at the end",
@@ -121,8 +122,10 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.progress import Progress
     from flaxchat.rates import Peak, StepRate
     from flaxchat.stage import StopOnSignal, already_complete, barrier, complete_line, finish, open_checkpoints
+    from flaxchat.profiling import StepProfiler
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
-    from flaxchat.tokenizer import texts_of, train_or_load
+    from flaxchat.trackers import open_trackers
+    from flaxchat.tokenizer import fingerprint_beside, texts_of, train_or_load
     from flaxchat.train import StepLoop, bits_per_byte, eval_step, sample
 
     t_start = time.time()
@@ -138,8 +141,8 @@ def _run(tc: TrainConfig) -> dict:
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 
     # --- data sources and tokenizer -----------------------------------------------------------
-    train_src = resolve_source(tc.data, split="train", seed=tc.seed)
-    val_src = resolve_source(tc.data, split="val", seed=tc.seed)
+    train_src = resolve_source(tc.data, split="train", seed=tc.seed, field=tc.text_field)
+    val_src = resolve_source(tc.data, split="val", seed=tc.seed, field=tc.text_field)
     print0(f"data: {train_src.name}")
     run = paths.RunFolder(tc.run_dir)  # the layout of what this stage writes
     tok_dir = tc.tokenizer_dir or run.tokenizer
@@ -169,6 +172,11 @@ def _run(tc: TrainConfig) -> dict:
         if saved != model_cfg:
             raise UserError(f"{tc.run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, "
                             f"width {saved.n_embd}, seq {saved.sequence_len}); use --fresh or another --run-dir.")
+        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {tc.run_dir}",
+                                "resume with the tokenizer it was trained with, or use --fresh or another --run-dir.")
+    if tc.init_from and meta is None:
+        tokenizer.check_matches(fingerprint_beside(tc.init_from), f"--init-from {tc.init_from}",
+                                "train with the tokenizer saved beside it (--tokenizer-dir).")
     def make_model():
         model = GPT(model_cfg, rngs=nnx.Rngs(tc.seed), dtype=compute.compute_dtype, kernels=compute.kernels)
         if tc.init_from and meta is None:
@@ -273,7 +281,8 @@ def _run(tc: TrainConfig) -> dict:
         step_fn.sync()
         checkpointer.save(at_step, model, optimizer, dict(
             model_config=model_cfg.to_dict(), train_config=tc.to_dict(), loader_states=loader_meta(),
-            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg)))
+            data=train_src.name, tokens_seen=at_step * total, optim_config=dataclasses.asdict(opt_cfg),
+            tokenizer=tokenizer.fingerprint()))
 
     def evaluate():
         step_fn.sync()
@@ -291,13 +300,16 @@ def _run(tc: TrainConfig) -> dict:
         outs = sample(model, prompts, max_new=min(120, T - 8), seed=tc.seed + step)
         return [SAMPLE_PROMPTS[i] + tokenizer.decode(_until_bos(o, tokenizer.bos_token_id)) for i, o in enumerate(outs)]
 
-    metrics = MetricsLog(run.metrics)
+    config = dict(model=model_cfg.to_dict(), train=tc.to_dict(), steps=steps, total_batch_size=total,
+                  grad_accum=grad_accum, data=train_src.name)
+    metrics = MetricsLog(run.metrics, trackers=open_trackers(  # --tracker: every line also goes to W&B/TensorBoard
+        tc.tracker, tc.run_dir, stage="pretrain", run_name=tc.run_name, config=config, start_step=step,
+        fresh=tc.fresh, is_main=compute.is_main))
     complete_marker = run.complete
     if compute.is_main and step < steps and paths.exists(complete_marker):
         paths.remove(complete_marker)  # our own marker of an earlier, shorter run: this one is not done
     if compute.is_main:
-        write_json(run.config, dict(model=model_cfg.to_dict(), train=tc.to_dict(),
-                  steps=steps, total_batch_size=total, grad_accum=grad_accum, data=train_src.name))
+        write_json(run.config, config)
 
     # --- training loop ----------------------------------------------------------------------------
     progress = Progress("pretrain", steps=steps, process=compute.process_index, run_dir=tc.run_dir)
@@ -319,19 +331,28 @@ def _run(tc: TrainConfig) -> dict:
     t_rate, step_rate_from, tps = None, step, None
     last_bpb = None
     step_fn = StepLoop(model, optimizer)  # model and optimizer hold its arrays after step_fn.sync()
+    profiler = StepProfiler(tc.profile_steps, paths.join(tc.run_dir, "profile"), start_step=step, log=print0,
+                            is_main=compute.is_main, process=compute.process_index, processes=compute.process_count)
     # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
     with StopOnSignal(print0, processes=compute.process_count, grace_s=tc.preempt_grace) as notice:
         while step < steps:
             notice.stop_here(step, checkpointer, save)
             x, y = next_batch()
             t0 = time.time()
-            loss = step_fn(x, y)
+            try:
+                loss = step_fn(x, y)
+                if compile_s is None:
+                    loss.block_until_ready()  # the first step allocates everything: out of memory shows here
+            except Exception as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                raise out_of_memory(e, tc, model_cfg, n_params, compute) from None
             step += 1
+            profiler.at(step, loss)
             if progress.due():
                 loss.block_until_ready()  # progress means a finished step, not a dispatched one
                 progress.update(step, loss=float(loss), tok_s=tps)
             if compile_s is None:
-                loss.block_until_ready()
                 compile_s = time.time() - t0
                 t_window, tokens_window, t_loop = time.time(), 0, time.time()
                 t_rate, step_rate_from = time.time(), step
@@ -353,7 +374,7 @@ def _run(tc: TrainConfig) -> dict:
                        f"tok/s {tps:,.0f} | mfu {mfu:.1f}% | eta {rate.eta_text(steps - step)}")
                 if compute.is_main:
                     metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps, mfu=mfu, peak_flops=peak.flops,
-                                   time=time.time())
+                                   lrm=float(schedule.lr_multiplier(step - 1)), time=time.time())
                 t_window, tokens_window = time.time(), 0
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == steps):
                 last_bpb = evaluate()
@@ -361,13 +382,15 @@ def _run(tc: TrainConfig) -> dict:
                 if compute.is_main:
                     metrics.append(kind="val", step=step, val_bpb=last_bpb)
             if tc.sample_every > 0 and step % tc.sample_every == 0 and step < steps:
-                for s in stories():
-                    print0(sample_text(s))
+                texts = stories()
+                print0("\n".join(sample_text(s) for s in texts))
+                metrics.note(kind="sample", step=step, samples=texts)
             if step == steps or (tc.save_every > 0 and step % tc.save_every == 0):
                 save(step)
             if tokens_window == 0:
                 t_window = time.time()  # evaluation, sampling and saving are not training time
     batches.close()
+    profiler.close()
     step_fn.sync()
     train_seconds = time.time() - t_loop
     if smooth is None or (last_bpb is None and tc.eval_every > 0):
@@ -382,6 +405,7 @@ def _run(tc: TrainConfig) -> dict:
 
     # --- samples, report, completion marker -------------------------------------------------------
     samples = stories()
+    metrics.note(kind="sample", step=step, samples=samples)
     summary = dict(is_main=compute.is_main, step=step, steps=steps, final_loss=smooth, val_bpb=last_bpb, compile_s=compile_s,
                    train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(), run_dir=paths.absolute(tc.run_dir))
 
@@ -405,6 +429,7 @@ def _run(tc: TrainConfig) -> dict:
         ])
 
     finish(tc.run_dir, compute.is_main, checkpointer, progress, step, summary, report)
+    metrics.close()
     bpb = f"val bpb {last_bpb:.4f}" if last_bpb is not None else "no validation (--eval-every=0)"
     print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {bpb}; "
            f"report {run.report}")
@@ -447,6 +472,22 @@ def sample_text(story: str) -> str:
 REPEAT_PASSES = 2.0
 
 
+def out_of_memory(e: Exception, tc: TrainConfig, model_cfg, n_params: int, compute) -> UserError:
+    """The one sentence for an XLA RESOURCE_EXHAUSTED in the train step: the sizes and what to change."""
+    import re
+    from flaxchat.sharding import device_memory_bytes
+    asked = re.search(r"(\d{7,}) bytes", str(e))
+    limit = device_memory_bytes()
+    failed = f"an allocation of {int(asked.group(1)) / 2**30:.1f} GiB failed" if asked else "an allocation failed"
+    has = f" on devices of {limit / 2**30:.1f} GiB" if limit else ""
+    return UserError(
+        f"out of memory in the train step ({failed}{has}) at --device-batch-size {tc.device_batch_size} x "
+        f"--sequence-len {tc.sequence_len} on depth {model_cfg.n_layer} ({n_params:,} parameters, "
+        f"{compute.device_count} device(s)); lower --device-batch-size (gradient accumulation keeps "
+        f"--total-batch-size){'' if tc.grad_checkpoint else ' or add --grad-checkpoint'}, and check a configuration "
+        "first with `python -m bench.scale --topology ...`. Nothing was saved.")
+
+
 def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None) -> bool:
     """Whether every LR is scaled by sqrt(B/2^19): always with `on`, never with `off`; with `auto`
     at nanochat's automatic batch (-1, where the rule was made) and, with a batch you give, when
@@ -459,13 +500,25 @@ def batch_scaling_applies(mode: str, total_batch_size: int, passes: float | None
 def estimated_passes(source, tokenizer, tokens: int, seq_len: int, sample: int = 256) -> float | None:
     """How many times `tokens` of training read `source`, from up to `sample` of its documents
     spread over it, each counted as the loader packs it (BOS + tokens, cut at a row of seq_len + 1).
-    None for a streamed corpus (parquet shards), whose size is not known without reading it all."""
-    from flaxchat.data.loader import is_streaming
+    A streamed corpus (parquet shards) counts its documents from the files' footers and samples
+    them from up to 8 row groups spread over it, each read once; None only for an empty corpus."""
+    from flaxchat.data.loader import cut_document, is_streaming
     n = len(source)
-    if is_streaming(source) or n == 0:
+    if n == 0:
         return None
-    picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
-    sizes = [min(len(ids) + 1, seq_len + 1) for ids in tokenizer.encode([source.doc(i) for i in picks])]
+    if is_streaming(source):
+        groups = min(8, source.num_units)
+        units = sorted({g * (source.num_units - 1) // max(groups - 1, 1) for g in range(groups)})
+        per = max(1, sample // len(units))
+        picks = sorted({source.units[u].start + k * (source.units[u].rows - 1) // max(per - 1, 1)
+                        for u in units for k in range(min(per, source.units[u].rows))})
+        texts = source.doc_batch(picks)
+    else:
+        picks = sorted({i * (n - 1) // max(min(sample, n) - 1, 1) for i in range(min(sample, n))})
+        texts = [source.doc(i) for i in picks]
+    # Only a row's worth of each document counts, so a long one is tokenized only that far.
+    ids = tokenizer.encode([cut_document(t, seq_len + 1) for t in texts])
+    sizes = [min(len(i) + 1, seq_len + 1) for i in ids]
     return tokens / (n * sum(sizes) / len(sizes))
 
 

@@ -103,7 +103,9 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.rates import StepRate
+    from flaxchat.profiling import StepProfiler
     from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.trackers import open_trackers
     from flaxchat.stage import StopOnSignal, already_complete, complete_line
     from flaxchat.tools import calculate
     from flaxchat.train import policy_step
@@ -156,8 +158,12 @@ def _run(cfg: RLConfig) -> dict:
         return inputs, targets, policy_weights(targets, adv), rewards
 
     # --- loop ---------------------------------------------------------------------------------------
-    metrics = MetricsLog(stage.folder.metrics)
     step, t_loop = stage.step, time.time()
+    metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
+        cfg.tracker, cfg.run_dir, stage="rl", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
+        start_step=step, fresh=cfg.fresh, is_main=compute.is_main))
+    profiler = StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=step, log=print0,
+                            is_main=compute.is_main, process=compute.process_index, processes=compute.process_count)
     evals = dict((stage.meta or {}).get("evals", {}))  # step -> pass@1, carried across resumes
     if "0" not in evals:
         evals["0"] = pass_at_1()
@@ -179,6 +185,7 @@ def _run(cfg: RLConfig) -> dict:
                         global_from_full(compute, weights))
             refresh_engine()
             step += 1
+            profiler.at(step)
             if step > stage.step + 1:  # the first step compiles; later ones are the rate
                 rate.update(1, time.time() - t0)
             if stage.progress.due():
@@ -199,6 +206,7 @@ def _run(cfg: RLConfig) -> dict:
             if step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
                 save(step)
     stage.step = step
+    profiler.close()
 
     before, after = evals["0"], evals[str(step)]
     summary = dict(step=step, pass_at_1_before=before, pass_at_1_after=after, evals=evals,
@@ -216,6 +224,7 @@ def _run(cfg: RLConfig) -> dict:
             ("Config", dataclasses.asdict(cfg)),
         ])
         print0(f"done: pass@1 {100 * before:.1f}% -> {100 * after:.1f}% in {fmt_duration(time.time() - t_start)}")
+        metrics.close()  # the trackers: process 0 only, as is this report
 
     return stage.finish(summary, report)
 

@@ -105,7 +105,9 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
     from flaxchat.rates import StepRate
+    from flaxchat.profiling import StepProfiler
     from flaxchat.report import MetricsLog, plot_losses, write_report
+    from flaxchat.trackers import open_trackers
     from flaxchat.stage import StopOnSignal, already_complete, complete_line
     from flaxchat.train import StepLoop, loss_sum
 
@@ -170,11 +172,15 @@ def _run(cfg: SFTConfig) -> dict:
                    stage="sft")
 
     # --- training loop ---------------------------------------------------------------------------
-    metrics = MetricsLog(stage.folder.metrics)
+    metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
+        cfg.tracker, cfg.run_dir, stage="sft", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
+        start_step=stage.step, fresh=cfg.fresh, is_main=compute.is_main))
     step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
     t_window, tokens_window, tps = time.time(), 0, None
     rate, t_rate, rate_from = StepRate(), time.time(), step  # the ETA's smoothed rate (flaxchat.rates)
     step_fn = StepLoop(model, stage.optimizer)  # model and optimizer hold its arrays after step_fn.sync()
+    profiler = StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=step, log=print0,
+                            is_main=compute.is_main, process=compute.process_index, processes=compute.process_count)
     # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
     with StopOnSignal(print0, processes=compute.process_count, grace_s=cfg.preempt_grace) as notice:
         while step < steps:
@@ -182,6 +188,7 @@ def _run(cfg: SFTConfig) -> dict:
             x, y, frac = next_batch()
             loss = step_fn(x, y)
             step += 1
+            profiler.at(step, loss)
             tokens_window += x.size
             if step == stage.step + 1:  # the first step compiles: the ETA's rate starts after it
                 loss.block_until_ready()
@@ -201,7 +208,8 @@ def _run(cfg: SFTConfig) -> dict:
                        f"epoch {loaders[0].epochs_done:.2f} | tok/s {tps:,.0f} | "
                        f"eta {rate.eta_text(steps - step)}")
                 if compute.is_main:
-                    metrics.append(kind="train", step=step, loss=lossf, time=time.time())
+                    metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps,
+                                   lrm=float(stage.schedule.lr_multiplier(step - 1)), time=time.time())
                 t_window, tokens_window = time.time(), 0
             if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == steps or step == 1):
                 last_val = val_loss()
@@ -213,6 +221,7 @@ def _run(cfg: SFTConfig) -> dict:
             if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
                 save(step)
     stage.step = step
+    profiler.close()
     step_fn.sync()
     train_seconds = time.time() - t_loop
 
@@ -224,6 +233,7 @@ def _run(cfg: SFTConfig) -> dict:
     def report():
         for prompt, reply in replies.items():
             print0(f"> {prompt}\n{reply}\n")
+        metrics.note(kind="sample", step=step, samples=[f"> {p}\n{r}" for p, r in replies.items()])
         png = plot_losses(metrics.read(), stage.folder.loss_plot, f"SFT on {cfg.mix}",
                           val_key="val_loss", val_label="val loss (nats/token)")
         write_report(stage.folder.report, title="flaxchat SFT", sections=[
@@ -238,6 +248,7 @@ def _run(cfg: SFTConfig) -> dict:
         val = f"val loss {last_val:.4f}" if last_val is not None else "no validation (--eval-every=0)"
         print0(f"done: {step} steps in {fmt_duration(time.time() - t_start)}; {val}; "
                f"report {stage.folder.report}")
+        metrics.close()  # the trackers: process 0 only, as is this report
 
     stage.finish(summary, report)
     return dict(summary, replies=replies)

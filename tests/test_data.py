@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flaxchat.data import sources
-from flaxchat.data.loader import PackingLoader
+from flaxchat.data.loader import PackingLoader, cut_document, cut_chars
 from flaxchat.data.sources import held_out_count, parse_hub_spec, resolve_source, select_hub_files
 from flaxchat.data.stories import StoriesCorpus, story
 from flaxchat.errors import UserError
@@ -386,3 +386,99 @@ def test_loader_rows_decode_to_story_text(small_tok):
         for piece in pieces[:-1]:  # whole documents
             assert piece in texts
         assert any(t.startswith(pieces[-1]) for t in texts)  # the last one may be cropped
+
+
+# --- memory bounded by the rows, whatever the corpus's shape ------------------------------------------
+
+_BOUNDED_CHECK = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a runaway loader fails here, not the machine
+import numpy as np
+from flaxchat.data.loader import PackingLoader
+from flaxchat.data.sources import FileCorpus
+from flaxchat.tokenizer import Tokenizer
+def peak_mb():  # this process image's own peak (ru_maxrss can carry the forking parent's)
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+tok, corpus = Tokenizer.load(sys.argv[1]), FileCorpus([sys.argv[2]])
+make = lambda state=None: PackingLoader(corpus, tok, batch_size=4, seq_len=256, state=state)
+loader = make()
+first = loader.next_batch()[0]
+loader.next_batch()
+state = json.loads(json.dumps(loader.state_dict()))
+expected = loader.next_batch()
+again = make(state).next_batch()
+print(json.dumps({"first": first.tolist(), "resumed": all(np.array_equal(a, b) for a, b in zip(expected, again)),
+                  "peak_mb": peak_mb()}))
+"""
+
+
+def _bounded_run(small_tok, tmp_path, docs: list[str]) -> dict:
+    small_tok.save(tmp_path / "tok")
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(docs))
+    out = subprocess.run([sys.executable, "-c", _BOUNDED_CHECK, str(tmp_path / "tok"), str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_loader_memory_bounded_on_huge_documents(small_tok, tmp_path):
+    # Two documents of 20 MB and one small one: the old loader read and tokenized both whole for
+    # each of the ~330 copies its 1000-document buffer wrapped around to, past the 3 GB cap.
+    huge = ["\n".join(story(0, d * 1000 + i) for i in range(1000)) * 25 for d in range(2)]
+    assert min(len(h) for h in huge) > 20_000_000
+    result = _bounded_run(small_tok, tmp_path, huge + [story(0, 99_999)])
+    assert result["resumed"] and result["peak_mb"] < 600
+
+
+def test_loader_memory_bounded_on_a_tiny_corpus(small_tok, tmp_path):
+    # Three documents of 300 KB: the old loader filled its buffer with ~330 tokenized copies of each.
+    docs = ["\n".join(story(0, d * 1000 + i) for i in range(400)) for d in range(3)]
+    assert min(len(d) for d in docs) > 300_000
+    result = _bounded_run(small_tok, tmp_path, docs)
+    assert result["resumed"] and result["peak_mb"] < 300
+    texts = [small_tok.decode(row).split("<|bos|>")[1] for row in result["first"]]
+    assert all(any(d.startswith(t) for d in docs) for t in texts)
+
+
+def test_cut_document_keeps_the_tokens_of_the_whole_text(small_tok):
+    # The loader tokenizes a long document only up to a gap between words; what it keeps must be the
+    # whole text's own tokens, on prose, numbers, punctuation runs and non-Latin script alike.
+    rng = np.random.default_rng(0)
+    words = ["the", "cat's", "12345", "3.14", "--", "?!", "naïve", "東京", "x\ny", "'ll", "(a)", "\t"]
+    text = " ".join(rng.choice(words, size=40_000).tolist())
+    for capacity in (65, 257, 2049):
+        cut = cut_document(text, capacity)
+        assert len(cut) <= cut_chars(capacity) and len(cut) > cut_chars(capacity) - 4096
+        tokens = small_tok.encode(cut)
+        assert len(tokens) > capacity and small_tok.encode(text)[:len(tokens)] == tokens
+
+
+# --- the repetition estimate on every format ---------------------------------------------------------
+
+
+def test_repetition_estimate_on_a_streamed_parquet_corpus(small_tok, tmp_path):
+    # A parquet text is always streamed, and the estimate used to be None for it, so `--lr-batch-scaling
+    # auto` left the rule off on a text read ~4 times (val bpb 2.55 at step 400, 2.82 at 600).
+    from scripts.pretrain import REPEAT_PASSES, batch_scaling_applies, estimated_passes
+    docs = [story(0, i) for i in range(600)]
+    for f in range(3):
+        pq.write_table(pa.table({"text": docs[f * 200:(f + 1) * 200]}), tmp_path / f"part{f}.parquet",
+                       row_group_size=17)
+    (tmp_path / "same.txt").write_text("\n\n".join(docs) + "\n")
+    streamed = resolve_source(str(tmp_path / "*.parquet"))
+    indexed = resolve_source(str(tmp_path / "same.txt"))
+    assert not hasattr(indexed, "iter_reader") and hasattr(streamed, "iter_reader") and len(streamed) == len(indexed)
+    exact = sum(min(len(small_tok.encode(indexed.doc(i))) + 1, 257) for i in range(len(indexed)))
+    passes = estimated_passes(streamed, small_tok, 4 * exact, 256)
+    assert passes == pytest.approx(4.0, rel=0.1)
+    assert estimated_passes(indexed, small_tok, 4 * exact, 256) == pytest.approx(4.0, rel=0.1)
+    assert batch_scaling_applies("auto", 2048, passes) and passes >= REPEAT_PASSES
+
+
+def test_repetition_estimate_reads_a_row_of_each_huge_document(small_tok, tmp_path):
+    from scripts.pretrain import estimated_passes
+    huge = "\n".join(story(0, i) for i in range(1000)) * 10  # 8 MB: counted as one row of 257
+    pq.write_table(pa.table({"text": [huge, huge, story(0, 5), story(0, 6)]}), tmp_path / "h.parquet", row_group_size=1)
+    src = resolve_source(str(tmp_path / "h.parquet"), split="train")
+    assert estimated_passes(src, small_tok, len(src) * 257, 256) == pytest.approx(1.0, rel=0.01)

@@ -740,13 +740,19 @@ def test_recover_brings_back_a_preempted_pod(pod):
     assert any(line.startswith("resumed from step") and int(line.split()[-1]) >= 8 for line in out)
 
 
-@pytest.mark.timeout(120)
-def test_recover_restarts_a_crash_with_backoff(spod, shared_pod):
-    cmd = standin(spod.run_dir, steps=10, sleep=0.05, **{"save-every": 2, "crash-once": shared_pod / "crashed"})
+def _recover_once(spod, shared_pod, event: str, *, steps: int, save_every: int, **policy):
+    """Recovery of a stand-in run that does `event` (crash, preempt, stall) once: (result, its log lines)."""
+    cmd = standin(spod.run_dir, steps=steps, sleep=0.05, **{"save-every": save_every, f"{event}-once": shared_pod / event})
     logs = []
     spod.say = logs.append
     result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"),
-                          policy=rec.Policy(poll_s=0.2, backoff_s=0.1), timeout=90)
+                          policy=rec.Policy(**policy), timeout=90)
+    return result, logs
+
+
+@pytest.mark.timeout(120)
+def test_recover_restarts_a_crash_with_backoff(spod, shared_pod):
+    result, logs = _recover_once(spod, shared_pod, "crash", steps=10, save_every=2, poll_s=0.2, backoff_s=0.1)
     text = "\n".join(logs)
     assert result.ok, text
     assert "start: the command is not running" in text and "restart: worker 0 exited 7" in text, text
@@ -755,11 +761,8 @@ def test_recover_restarts_a_crash_with_backoff(spod, shared_pod):
 
 @pytest.mark.timeout(120)
 def test_recover_resumes_a_preemption_without_counting_it_as_a_failure(spod, shared_pod):
-    cmd = standin(spod.run_dir, steps=8, sleep=0.05, **{"save-every": 3, "preempt-once": shared_pod / "preempted"})
-    logs = []
-    spod.say = logs.append
-    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"),
-                          policy=rec.Policy(poll_s=0.2, backoff_s=30, max_restarts=1), timeout=90)
+    result, logs = _recover_once(spod, shared_pod, "preempt", steps=8, save_every=3, poll_s=0.2, backoff_s=30,
+                                 max_restarts=1)
     text = "\n".join(logs)
     assert result.ok and "restart 1 of" not in text, text  # no crash budget spent, no 30 s backoff
     assert "exited 75 (preempted, its step saved): resume now, not counted against --max-restarts" in text, text
@@ -767,11 +770,8 @@ def test_recover_resumes_a_preemption_without_counting_it_as_a_failure(spod, sha
 
 @pytest.mark.timeout(120)
 def test_recover_writes_a_stalled_runs_stacks_before_it_restarts_it(spod, shared_pod):
-    cmd = standin(spod.run_dir, steps=8, sleep=0.05, **{"save-every": 3, "stall-once": shared_pod / "stalled"})
-    logs = []
-    spod.say = logs.append
-    result = spod.recover(cmd, run_dir=spod.run_dir, local_repo_path=str(shared_pod / "repo"),
-                          policy=rec.Policy(poll_s=0.5, backoff_s=0.1, heartbeat_deadline_s=4), timeout=90)
+    result, logs = _recover_once(spod, shared_pod, "stall", steps=8, save_every=3, poll_s=0.5, backoff_s=0.1,
+                                 heartbeat_deadline_s=4)
     text = "\n".join(logs)
     assert result.ok, text
     said = [x for x in logs if "hung in the step after 3: its Python stacks are in" in x]

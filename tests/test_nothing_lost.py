@@ -370,3 +370,194 @@ def test_the_body_limit_is_a_flag_with_help(capsys):
     assert "--max-body-bytes" in capsys.readouterr().out
     code, cap = _cli(chat_web.main, ["-i", "x", "--max-body-bytes", "0"], capsys)
     assert code == 2 and "--max-body-bytes" in cap.err
+
+
+# --- the run remembers its tokenizer -------------------------------------------------------------------
+
+
+def test_another_tokenizer_of_the_same_size_is_one_sentence(tmp_path):
+    # Resuming with another tokenizer of the same vocabulary size used to be accepted (the loss went
+    # from 1.09 to 5.91 with no word): the checkpoint records the tokenizer's fingerprint.
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.tokenizer import Tokenizer, fingerprint_beside
+    run, own, other = tmp_path / "run", tmp_path / "own", tmp_path / "other"
+    base = [*TINY, "--eval-every=0", f"--run-dir={run}"]
+    r = _pretrain([*base, f"--tokenizer-dir={own}", "--steps=2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    Tokenizer.train((StoriesCorpus(seed=7).doc(i) for i in range(300)), 300).save(other)
+    assert Tokenizer.load(other).vocab_size == Tokenizer.load(own).vocab_size
+    assert Tokenizer.load(other).fingerprint() != Tokenizer.load(own).fingerprint()
+    r = _pretrain([*base, f"--tokenizer-dir={other}", "--steps=4"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"the checkpoint in {run} was trained with another tokenizer" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    # --base: a finetuning stage on a run whose tokenizer folder was replaced.
+    Tokenizer.load(other).save(run / "tokenizer")
+    sft = subprocess.run([sys.executable, "-m", "scripts.sft", f"--base={run}", f"--run-dir={tmp_path / 'sft'}",
+                          "--steps=1"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert sft.returncode == 2 and f"the checkpoint of --base {run} was trained with another tokenizer" in sft.stderr, \
+        sft.stderr[-2000:]
+    # --init-from: the weights of a run whose tokenizer is not this run's.
+    assert fingerprint_beside(str(run)) == Tokenizer.load(other).fingerprint()
+    r = _pretrain([*TINY, "--eval-every=0", f"--run-dir={tmp_path / 'init'}", f"--tokenizer-dir={own}",
+                   f"--init-from={run}", "--steps=1"])
+    assert r.returncode == 2 and f"--init-from {run} was trained with another tokenizer" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_checkpoint_from_before_fingerprints_is_taken_as_it_is():
+    from flaxchat.tokenizer import Tokenizer
+    tok = Tokenizer.train(["a b c d e f g"] * 10, 270)
+    tok.check_matches(None, "an old checkpoint", "")  # no fingerprint recorded: no refusal
+    tok.check_matches(tok.fingerprint(), "this checkpoint", "")
+
+
+# --- out of memory is one sentence ---------------------------------------------------------------------
+
+_CAPPED_PRETRAIN = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # XLA's CPU client then fails as a full HBM does
+from flaxchat.errors import cli_main
+from scripts.pretrain import main
+sys.exit(cli_main(main, sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_one_sentence_and_the_next_run_trains(tmp_path):
+    # The issue's case was a raw `JaxRuntimeError: RESOURCE_EXHAUSTED ... 62530539144 bytes`.
+    run = tmp_path / "run"
+    big = [a for a in TINY if not a.startswith(("--device-batch-size", "--total-batch-size"))]
+    r = subprocess.run([sys.executable, "-c", _CAPPED_PRETRAIN, *big, "--device-batch-size=32768",
+                        "--total-batch-size=1048576", "--eval-every=0", f"--run-dir={run}", "--steps=2"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error: out of memory in the train step (an allocation of ")
+    for words in ("--device-batch-size 32768 x --sequence-len 32", "lower --device-batch-size", "--grad-checkpoint",
+                  "bench.scale --topology"):
+        assert words in err
+    assert not os.listdir(run / "checkpoints")
+    # Nothing left behind trips the next run: a batch that fits trains in the same folder.
+    r = _pretrain([*TINY, "--eval-every=0", f"--run-dir={run}", "--steps=1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_client_dropping_mid_stream_leaves_no_traceback_and_the_next_is_served():
+    # The issue's case: `starlette.requests.ClientDisconnect` with a traceback in the server's log.
+    import logging
+    import socket
+    import struct
+
+    from flaxchat.data.stories import StoriesCorpus
+    from flaxchat.engine import Engine
+    from flaxchat.tokenizer import Tokenizer
+    from scripts import chat_web
+    from test_chat_web import Server, chat
+    from test_engine import nonzero_model
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    tok = Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(100)], 512, max_chars=50_000)
+    srv = Server(chat_web.create_app(Engine(nonzero_model(seed=5), tok), tok, slots=1,
+                                     limits=chat_web.Limits(max_tokens=400)))
+    for name in ("uvicorn.error", "uvicorn", ""):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        host, port = srv.url.split("//")[1].split(":")
+        for _ in range(3):
+            body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}).encode()
+            s = socket.create_connection((host, int(port)), timeout=60)
+            s.sendall(b"POST /chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while b'{"token"' not in got:  # the reply is streaming
+                got += s.recv(4096)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a dropped tab
+            s.close()
+            time.sleep(1.0)
+        # Dropped while sending its body: the server was reading it (`request.stream()`).
+        s = socket.create_connection((host, int(port)), timeout=60)
+        s.sendall(b"POST /chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b'{"messages": [' + b" " * 5000)
+        time.sleep(0.5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        time.sleep(1.0)
+        status, text, _ = chat(srv.url, [{"role": "user", "content": "hello"}], max_tokens=3)
+        assert status == 200 and text is not None
+        assert requests.get(srv.url + "/health", timeout=5).json()["status"] == "ok"
+    finally:
+        for name in ("uvicorn.error", "uvicorn", ""):
+            logging.getLogger(name).removeHandler(handler)
+        srv.stop()
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() + str(r.exc_info and r.exc_info[1].__class__) for r in errors]
+
+
+# --- the remaining rows: each one sentence -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--matrix-lr=nan", "--embedding-lr=inf", "--scalar-lr=-0.1",
+                                  "--param-data-ratio=nan"])
+def test_non_finite_or_negative_rates_are_refused_when_the_flags_are_read(flag, tmp_path, capsys):
+    # --matrix-lr=nan used to train 5 steps and then say "the loss became nan".
+    from scripts import pretrain
+    assert cli_main(pretrain.main, [flag, f"--run-dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag.split("=")[0] in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before anything is made
+
+
+def test_sft_lr_frac_nan_is_refused(tmp_path, capsys):
+    from scripts import sft
+    assert cli_main(sft.main, ["--base=x", f"--run-dir={tmp_path}", "--lr-frac=nan"]) == 2
+    assert "--lr-frac must be positive and finite (got nan)" in capsys.readouterr().err
+
+
+def test_a_run_folder_that_is_a_symlink_loop_is_named_as_one(tmp_path, capsys):
+    # Used to read "File exists".
+    from scripts import pretrain
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert cli_main(pretrain.main, [*TINY, f"--run-dir={loop}", "--steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{loop} is a symbolic link that leads nowhere: a loop, or its target is missing" in err
+    assert "File exists" not in err
+
+
+def test_a_parquet_without_a_text_column_names_a_flag_that_exists(tmp_path, capsys):
+    # The hint used to be "pick one with the text field option", an option pretrain did not have.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flaxchat.data.sources import resolve_source
+    from scripts import pretrain
+    data = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"content": [f"document {i} says hello to the world" for i in range(50)]}), data)
+    assert cli_main(pretrain.main, [*TINY, f"--data={data}", f"--run-dir={tmp_path / 'run'}", "--steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "has no column 'text' (columns: content)" in err and "--text-field" in err
+    assert pretrain.parse_args([f"--data={data}", "--text-field=content"]).text_field == "content"
+    assert resolve_source(str(data), field="content").doc(0) == "document 0 says hello to the world"
+
+
+def test_metrics_jsonl_that_is_a_symlink_is_refused_not_written_through(tmp_path):
+    # Used to append through the link into another file.
+    from flaxchat.errors import UserError
+    from flaxchat.report import MetricsLog
+    other = tmp_path / "precious.txt"
+    other.write_text("mine\n")
+    link = tmp_path / "metrics.jsonl"
+    link.symlink_to(other)
+    with pytest.raises(UserError, match=r"metrics.jsonl is a symbolic link \(to .*precious.txt\).*remove the link"):
+        MetricsLog(str(link))
+    link.unlink()
+    log = MetricsLog(str(link))
+    log.append(step=1, loss=2.0)
+    link.unlink()
+    link.symlink_to(other)  # put there while the run trains
+    with pytest.raises(UserError, match="symbolic link"):
+        log.append(step=2, loss=1.0)
+    assert other.read_text() == "mine\n"

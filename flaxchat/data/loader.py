@@ -13,7 +13,16 @@ at the end of the source (one more epoch). A streaming source (parquet shards, s
 `flaxchat.data.shards`) is split by row group instead: process p reads units p, p+P, ..., and its
 cursor is (unit, row). The state is the read cursor, the epoch and the buffered document
 *indices* (not tokens), a few KB of JSON; a restored loader re-tokenizes the buffer and then
-produces exactly the batches the uninterrupted loader would have. `reshard_states` turns the
+produces exactly the batches the uninterrupted loader would have.
+
+Memory is bounded by the rows, not by the corpus: a row uses at most its first T+1 tokens of any
+document, so the buffer keeps only those (int32), at most (buffer_docs + tokenize_batch) x (T+1)
+tokens, 9 MB at T=2048 whatever the documents' sizes. A document longer than `cut_chars(T+1)`
+characters is tokenized only up to that many (cut at a space between two words, where the split
+pattern always ends a piece, so its first T+1 tokens are those of the whole text); its length then
+counts as the tokens of that prefix, a lower bound that only orders it among other documents too
+long for a row. A document buffered several times (a corpus with fewer documents than the buffer
+wraps around) is read and tokenized once and its tokens are shared. `reshard_states` turns the
 states of P readers into states for another count (see its docstring for what that costs).
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 import time
 from typing import Iterator
 
@@ -29,6 +39,26 @@ import numpy as np
 from flaxchat.errors import UserError
 
 STATE_FORMAT = 1
+ENCODE_CHARS = 1 << 22  # characters encoded per tokenizer call: bounds the transient token lists
+
+
+def cut_chars(capacity: int) -> int:
+    """Characters of a document tokenized for rows of `capacity` tokens: 32 per token is 7x the
+    ~4.5 of English text, and the floor keeps every document of a normal corpus whole at short rows."""
+    return max(32 * capacity, 1 << 14)
+
+
+_WORD_GAP = re.compile(r"(?<=\S) (?=\S)")
+
+
+def cut_document(text: str, capacity: int) -> str:
+    """`text` up to `cut_chars(capacity)` characters, ended at a single space between two words
+    (the split pattern ends a piece there, so the tokens before it are those of the whole text)."""
+    limit = cut_chars(capacity)
+    if len(text) <= limit:
+        return text
+    gaps = [m.start() for m in _WORD_GAP.finditer(text, max(0, limit - 4096), limit)]
+    return text[:gaps[-1] if gaps else limit]
 
 
 class PackingLoader:
@@ -56,6 +86,7 @@ class PackingLoader:
         self.buffer_docs, self.tokenize_batch = buffer_docs, tokenize_batch
         self.num_threads = num_threads or min(8, os.cpu_count() or 1)
         self.bos = tokenizer.bos_token_id
+        self.capacity = seq_len + 1  # tokens of a row: inputs and the targets shifted by one
         self._reset()
         if state is not None:
             self.load_state_dict(state)
@@ -67,7 +98,8 @@ class PackingLoader:
         # Pending documents sorted by (length, -order); order = arrival number, so among equal
         # lengths the oldest document is picked first.
         self._keys: list[tuple[int, int]] = []
-        self._docs: dict[int, tuple[int, list[int]]] = {}  # order -> (document index, tokens)
+        self._docs: dict[int, tuple[int, list]] = {}  # order -> (document index, its tokens entry)
+        self._tokens: dict[int, list] = {}  # document index -> [first T+1 tokens, length, copies]
         self._order = 0
         self._counts = {"docs_read": 0, "tokens_out": 0, "tokens_cropped": 0, "docs_cropped": 0}
 
@@ -76,16 +108,17 @@ class PackingLoader:
     def _start(self):
         return (self.process_index, 0) if self.streaming else self.process_index
 
-    def _stream(self) -> Iterator[tuple[int, str, object]]:
-        """(document index, text, cursor after it) from the cursor to the end of the epoch."""
+    def _stream(self) -> Iterator[tuple[int, str | None, object]]:
+        """(document index, text, cursor after it) from the cursor to the end of the epoch. An
+        indexed source yields no text: `_add` reads only the documents not already buffered."""
         if self.streaming:
             return self.source.iter_reader(self.process_index, self.process_count, *self.cursor)
         step = self.process_count
-        return ((i, text, i + step) for i, text in self.source.iter_docs(self.cursor, step))
+        return ((i, None, i + step) for i in range(self.cursor, len(self.source), step))
 
-    def _next_texts(self) -> list[tuple[int, str]]:
+    def _next_texts(self) -> list[tuple[int, str | None]]:
         """The next `tokenize_batch` documents of this process's stream, wrapping at the end."""
-        out: list[tuple[int, str]] = []
+        out: list[tuple[int, str | None]] = []
         wrapped_empty = False
         while len(out) < self.tokenize_batch:
             if self._iter is None:
@@ -100,44 +133,82 @@ class PackingLoader:
                 self.cursor, self._iter = self._start(), None
                 continue
             wrapped_empty = False
-            out.append(item[:2])
+            index, text = item[0], item[1]
+            known = text is None or index in self._tokens  # read later, or buffered already
+            out.append((index, None if known else cut_document(text, self.capacity)))
             self.cursor = item[2]
         return out
 
-    def _add(self, items: list[tuple[int, str]]) -> None:
-        token_lists = self.tokenizer.encode([text for _, text in items], prepend=self.bos,
-                                            num_threads=self.num_threads)
-        for (index, _), tokens in zip(items, token_lists):
-            self._docs[self._order] = (index, tokens)
-            bisect.insort(self._keys, (len(tokens), -self._order))
+    def _tokenize(self, texts: dict[int, str]) -> None:
+        """Tokens of the documents `texts` (index -> text) into `self._tokens`, with 0 copies.
+        Encoded a few MB of text at a time, so that the full token lists never pile up."""
+        items = list(texts.items())
+        lo = 0
+        while lo < len(items):
+            hi, chars = lo, 0
+            while hi < len(items) and (hi == lo or chars + len(items[hi][1]) <= ENCODE_CHARS):
+                chars += len(items[hi][1])
+                hi += 1
+            token_lists = self.tokenizer.encode([text for _, text in items[lo:hi]], prepend=self.bos,
+                                                num_threads=self.num_threads)
+            for (index, _), tokens in zip(items[lo:hi], token_lists):
+                self._tokens[index] = [np.asarray(tokens[:self.capacity], dtype=np.int32), len(tokens), 0]
+            lo = hi
+
+    def _add(self, items: list[tuple[int, str | None]]) -> None:
+        """Buffer the documents `items` (index, text): a text is needed only for an index not
+        buffered yet, and None fetches it from the source."""
+        new = {i: t for i, t in items if i not in self._tokens}
+        missing = [i for i, t in new.items() if t is None]
+        if missing:
+            new.update(zip(missing, (cut_document(t, self.capacity) for t in self._fetch(missing))))
+        self._tokenize(new)
+        for index, _ in items:
+            entry = self._tokens[index]
+            entry[2] += 1
+            self._docs[self._order] = (index, entry)
+            bisect.insort(self._keys, (entry[1], -self._order))
             self._order += 1
         self._counts["docs_read"] += len(items)
 
-    def _take(self, j: int) -> list[int]:
+    def _fetch(self, indices: list[int]) -> list[str]:
+        # A streaming source fetches many documents at once, decoding each row group once.
+        fetch = getattr(self.source, "doc_batch", None)
+        return fetch(indices) if fetch else [self.source.doc(i) for i in indices]
+
+    def _take(self, j: int) -> tuple[np.ndarray, int]:
         _, neg_order = self._keys.pop(j)
-        return self._docs.pop(-neg_order)[1]
+        index, entry = self._docs.pop(-neg_order)
+        entry[2] -= 1
+        if not entry[2]:
+            del self._tokens[index]
+        return entry[0], entry[1]
 
     # --- packing -----------------------------------------------------------------------------------
 
-    def _row(self, capacity: int) -> list[int]:
-        row: list[int] = []
-        while len(row) < capacity:
+    def _row(self, capacity: int) -> np.ndarray:
+        row = np.empty(capacity, dtype=np.int32)
+        filled = 0
+        while filled < capacity:
             while len(self._keys) < self.buffer_docs:
                 self._add(self._next_texts())
-            remaining = capacity - len(row)
+            remaining = capacity - filled
             j = bisect.bisect_right(self._keys, (remaining, 1)) - 1  # largest doc that fits
             if j >= 0:
-                row.extend(self._take(j))
+                tokens, length = self._take(j)
+                row[filled:filled + length] = tokens
+                filled += length
                 continue
             j = bisect.bisect_right(self._keys, (self._keys[0][0], 1)) - 1  # oldest of the shortest
-            tokens = self._take(j)
-            row.extend(tokens[:remaining])
-            self._counts["tokens_cropped"] += len(tokens) - remaining
+            tokens, length = self._take(j)
+            row[filled:] = tokens[:remaining]
+            filled = capacity
+            self._counts["tokens_cropped"] += length - remaining
             self._counts["docs_cropped"] += 1
         return row
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.array([self._row(self.seq_len + 1) for _ in range(self.batch_size)], dtype=np.int32)
+        rows = np.stack([self._row(self.capacity) for _ in range(self.batch_size)])
         self._counts["tokens_out"] += rows.size
         return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
@@ -176,11 +247,8 @@ class PackingLoader:
         self.cursor = tuple(state["cursor"]) if self.streaming else state["cursor"]
         self.epoch = state["epoch"]
         buffered = state["buffer"]
-        # A streaming source fetches many documents at once, decoding each row group once.
-        fetch = getattr(self.source, "doc_batch", None)
-        texts = fetch(buffered) if fetch else [self.source.doc(i) for i in buffered]
         for lo in range(0, len(buffered), self.tokenize_batch):
-            self._add(list(zip(buffered[lo:lo + self.tokenize_batch], texts[lo:lo + self.tokenize_batch])))
+            self._add([(i, None) for i in buffered[lo:lo + self.tokenize_batch]])
         self._counts = dict(state.get("counts", self._counts))
 
     def stats(self) -> dict:

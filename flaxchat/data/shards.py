@@ -85,7 +85,7 @@ def _read_metadata(path: str, field: str):
     names = md.schema.to_arrow_schema().names
     if field not in names:
         raise UserError(f"{path} has no column '{field}' (columns: {', '.join(names)}); "
-                        "pick one with the text field option")
+                        "name the one that holds the text (scripts.pretrain: --text-field; scripts.tok_train: --field)")
     return md
 
 

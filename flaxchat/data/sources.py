@@ -128,7 +128,7 @@ class _File:
         names = self._parquet.schema_arrow.names
         if self.field not in names:
             raise UserError(f"{self.path} has no column '{self.field}' (columns: {', '.join(names)}); "
-                            "pick one with the text field option")
+                            "name the one that holds the text (scripts.pretrain: --text-field; scripts.tok_train: --field)")
         starts = [0]
         for g in range(self._parquet.num_row_groups):
             starts.append(starts[-1] + self._parquet.metadata.row_group(g).num_rows)
