@@ -42,6 +42,8 @@ _AUTHORIZER = '''
 import os
 from jupyter_server.auth.authorizer import AllowAllAuthorizer
 
+pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
+
 class ToggleAuthorizer(AllowAllAuthorizer):
     """Forbids starting kernels while the file named by FLAXCHAT_TEST_DENY exists."""
     def is_authorized(self, handler, user, action, resource):

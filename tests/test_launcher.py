@@ -54,6 +54,8 @@ TEST_INSTALL = (f'"$UV" venv --python {os.path.realpath(sys.executable)} --allow
 STANDIN = r"""
 import json, os, sys, time
 import fsspec  # gs:// as flaxchat.paths and Orbax reach it (the rehearsal bucket here)
+
+pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
 args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
 run_dir, steps, every = args["run-dir"], int(args["steps"]), int(args.get("save-every", 5))
 pid = int(os.environ.get("JAX_PROCESS_ID", "0"))
@@ -994,7 +996,8 @@ def test_pod_rehearsal_preempted_mid_training_resumes_from_the_bucket_to_the_sam
     gone with the recreate) with a save cut off in the bucket, recover, resume from the last complete
     step (not 0, not the cut one), finish: the final parameters equal an uninterrupted run's."""
     from tests.test_multihost import STEPS as steps
-    from tests.test_multihost import cache_env, compare_params, coordinator_env, finish, free_port, start
+    from support import cache_env, coordinator_env, finish, free_port, start
+    from tests.test_multihost import compare_params
 
     # The uninterrupted reference: the same 2 processes x 1 device, started directly (and first, so that
     # the pod's runs find the train step compiled in the on-disk cache).

@@ -19,9 +19,12 @@ import jax
 import numpy as np
 import pytest
 
-from test_multihost import compare_params, coordinator_env, cpu_env, free_port
+from support import coordinator_env, cpu_env, free_port
+from test_multihost import compare_params
 from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
 from test_train import TINY, _env, _final_params, _pretrain, tokenizer_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow  # end to end: signals to training processes: CI runs it; `-m "not slow"` skips it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12

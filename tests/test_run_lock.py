@@ -29,6 +29,8 @@ HOLD = """
 import sys, time
 from flaxchat.errors import cli_main
 from flaxchat.run_lock import RunLock
+
+pytestmark = pytest.mark.slow  # end to end: two training processes on one run folder: CI runs it; `-m "not slow"` skips it
 def main(argv):
     RunLock.acquire(sys.argv[1], log=lambda s: print(s, flush=True))
     print("held", flush=True)

@@ -43,6 +43,8 @@ _PARSE = r"""
 import json, sys, yaml
 import sky
 from sky.utils import common_utils, schemas
+
+pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
 out = {}
 for path in sys.argv[1:]:
     config = yaml.safe_load(open(path))
