@@ -12,6 +12,7 @@ from flaxchat.kernels import cpu_attention
 pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
 
 
+
 def test_variants_trace_different_kernels_and_restore_the_kernel():
     before = (cpu_attention.SHORT_TILE, cpu_attention.SHORT_TOKENS)
     q = jnp.ones((1, 256, 2, 16))

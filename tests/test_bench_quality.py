@@ -16,6 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
 
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

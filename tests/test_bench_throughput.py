@@ -17,6 +17,7 @@ from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS, polar_expres
 
 pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

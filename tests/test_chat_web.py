@@ -31,6 +31,7 @@ from support import nonzero_model, scripted_model, tool_chain
 
 pytestmark = pytest.mark.slow  # a real uvicorn server: CI runs it; `-m "not slow"` skips it
 
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -25,6 +25,7 @@ from flaxchat.gpt import GPT
 
 pytestmark = pytest.mark.slow  # exports and compiles whole models: CI runs it; `-m "not slow"` skips it
 
+
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                  window_pattern="SL", attn_block=16)  # layer 0 sees a 16-token window
 

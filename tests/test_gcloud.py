@@ -18,6 +18,7 @@ from flaxchat.errors import UserError
 
 pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
 
+
 P, Z = "proj", "us-central2-b"
 
 

@@ -19,6 +19,7 @@ from flaxchat.remote.kaggle import KaggleRunner  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
 
+
 TOKEN = "test-token-cli"
 
 

@@ -34,6 +34,7 @@ from test_multihost import compare_params  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
 
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "gcs-test-token"
 RUN = "d1-across-sessions"

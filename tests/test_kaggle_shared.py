@@ -27,6 +27,7 @@ from jupyter_fixture import (FAKE_JAX, KAGGLE_BASE, STAND_IN, JupyterServer, Not
 
 pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
 
+
 REPO = Path(__file__).resolve().parents[1]
 
 TOKEN = "kaggle-tab-7c2e"

@@ -36,6 +36,8 @@ from flaxchat.cloud.launcher import TPUConfig, TPULauncher, load_state, save_sta
 from flaxchat.cloud.rehearsal import emulator
 from flaxchat.errors import cli_main
 
+pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P, Z, NAME = "proj", "us-central2-b", "pod"
 UV_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flaxchat-test-uv")  # uv itself, pip --target'ed once
@@ -55,7 +57,6 @@ STANDIN = r"""
 import json, os, sys, time
 import fsspec  # gs:// as flaxchat.paths and Orbax reach it (the rehearsal bucket here)
 
-pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
 args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
 run_dir, steps, every = args["run-dir"], int(args["steps"]), int(args.get("save-every", 5))
 pid = int(os.environ.get("JAX_PROCESS_ID", "0"))

@@ -12,6 +12,7 @@ from flaxchat.errors import UserError
 
 pytestmark = pytest.mark.slow  # real supervised processes: CI runs it; `-m "not slow"` skips it
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -16,6 +16,8 @@ import sys
 import pytest
 from support import coordinator_env, cpu_env, finish, free_port, start
 
+pytestmark = pytest.mark.slow  # end to end: several JAX processes: CI runs it; `-m "not slow"` skips it
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60  # enough for the pod rehearsal to be preempted mid-training, after its first checkpoint
 TINY = ["--depth=1", f"--steps={STEPS}", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2",
@@ -27,7 +29,6 @@ TINY = ["--depth=1", f"--steps={STEPS}", "--sequence-len=32", "--vocab-size=300"
 DRIVER = """
 import sys, jax, flaxchat.train as train
 
-pytestmark = pytest.mark.slow  # end to end: several JAX processes: CI runs it; `-m "not slow"` skips it
 step = train.StepLoop.__call__
 def logged_step(self, *args):
     loss = step(self, *args)

@@ -26,6 +26,7 @@ from test_train import TINY, _env, _final_params, _pretrain, tokenizer_dir  # no
 
 pytestmark = pytest.mark.slow  # end to end: signals to training processes: CI runs it; `-m "not slow"` skips it
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \|")

@@ -19,6 +19,7 @@ from test_train import ROOT, TINY, _env, tokenizer_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow  # end to end: training runs with trackers: CI runs it; `-m "not slow"` skips it
 
+
 TRACKER_MODULES = ("wandb", "tensorboardX", "tensorboard")
 
 
