@@ -74,6 +74,9 @@ HELP = {
     "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
     "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
     "num_samples": "stories sampled at each --sample-every and at the end",
+    "tracker": "where the metrics also go: wandb, tensorboard, none, or a comma list (flaxchat.trackers)",
+    "run_name": "the trackers' name of the run (default: the run folder's name)",
+    "profile_steps": "A:B: a jax.profiler trace of steps A..B-1 into <run>/profile",
 }
 SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
 
