@@ -23,7 +23,21 @@ VOCAB_MULTIPLE = 64  # pad the embedding/LM head rows so matmuls tile well; logi
 # step); the one place they live: TrainConfig's flags, OptimConfig and the later stages read them.
 LR = dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5, smear_lr=0.2,
           weight_decay=0.28)
+# What --attention takes: auto and every kernel in flaxchat.kernels (a test holds the two equal);
+# listed here so that checking flags imports no JAX.
+ATTENTION_NAMES = ("auto", "blockwise", "cudnn", "splash", "xla")
 NS_DTYPES = ("auto", "float32", "bfloat16", "bf16-products", "bf16-operands")  # flaxchat.optim's Polar Express dtypes
+
+
+def check_bookkeeping(keep_checkpoints: int, **every: int) -> None:
+    """One sentence for the checkpoint and cadence flags every stage has, before anything is written:
+    Orbax told to keep 0 checkpoints deletes each one as it is saved, the last one too."""
+    if keep_checkpoints < 1:
+        raise UserError(f"--keep-checkpoints must be at least 1 (got {keep_checkpoints}): the last checkpoint is "
+                        "what a run resumes from and what the next stage loads.")
+    for name, n in every.items():
+        if n < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {n}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +175,6 @@ class RunConfig:
         from flaxchat.trackers import check_trackers
         check_trackers(self.tracker)  # a missing library is one sentence now, not after the model is built
         parse_steps(self.profile_steps)
-        from flaxchat.stage import check_bookkeeping
         check_bookkeeping(self.keep_checkpoints, save_every=self.save_every, eval_every=self.eval_every, **every)
 
 
@@ -215,9 +228,8 @@ class TrainConfig(RunConfig):
         if self.lr_batch_scaling not in ("auto", "on", "off"):
             raise UserError(f"--lr-batch-scaling must be auto, on or off (got {self.lr_batch_scaling!r}).")
         self.validate_run(sample_every=self.sample_every)
-        from flaxchat.kernels import attention_names
-        if self.attention not in attention_names():
-            raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {self.attention!r}).")
+        if self.attention not in ATTENTION_NAMES:
+            raise UserError(f"--attention must be one of {', '.join(ATTENTION_NAMES)} (got {self.attention!r}).")
         if self.attention == "splash" and self.sequence_len % 128:
             raise UserError(f"--attention splash needs a --sequence-len that is a multiple of 128 (got {self.sequence_len}).")
         if self.ns_dtype not in NS_DTYPES:

@@ -46,7 +46,7 @@ class UserError(Exception):
     exit_code = ExitCode.USER_ERROR
 
 
-# A supervisor (flaxchat/cloud/worker.py) names a folder here; the process then writes every thread's
+# A supervisor (flaxchat/runner/worker.py) names a folder here; the process then writes every thread's
 # Python stack to <folder>/stacks-<pid>.txt when sent SIGUSR1: what `worker.py dump` gathers from a
 # hung run before it is killed. From the first line of main, so a hang in jax.distributed.initialize
 # shows too.

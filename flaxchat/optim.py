@@ -23,16 +23,7 @@ import optax
 from flax import nnx
 
 from flaxchat.config import LR
-
-# Polar Express coefficients for 5 iterations (nanochat optim.py / Amsel et al. 2025).
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-
+from flaxchat.ops import POLAR_EXPRESS, normalised, polar_express, polar_iterations  # noqa: F401 (the optimizer's math)
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -111,57 +102,6 @@ def make_optimizer(model, cfg: "OptimConfig", schedule: Schedule, kernels=None) 
     optimizer = nnx.Optimizer(model, build_optimizer(cfg, schedule, kernels), wrt=nnx.Param)
     optimizer.horizon = Horizon(schedule.horizon())
     return optimizer
-
-
-def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
-    """Approximately the orthogonal polar factor U·Vᵀ of g = U·S·Vᵀ (kernel layout (in, out)).
-
-    First MuonEq row equilibration (arXiv 2603.28254): every output neuron's weights (a column
-    here, a row of torch's (out, in)) are rescaled to the mean norm, so the spectrum entering the
-    iteration is better conditioned; then the Frobenius pre-normalisation with nanochat's x1.01;
-    then Polar Express's five fixed-coefficient steps. `dtype` (a dtype or its name): float32, or
-    bfloat16 for every product and the iterate (what TPU and GPU run; nanochat runs it in bf16 on
-    GPU). The CPU's forms are `flaxchat.kernels.cpu_muon.polar_express`; the kernels record says
-    which one Muon runs.
-    """
-    if isinstance(dtype, str) and dtype not in ("float32", "bfloat16"):
-        from flaxchat.errors import UserError
-        raise UserError(f"--ns-dtype {dtype} is a CPU form of Polar Express; use float32 or bfloat16 here.")
-    x = normalised(g, jnp.dtype(dtype))
-    tall = x.shape[0] > x.shape[1]
-    return polar_iterations(x, steps, lambda x: x.T @ x if tall else x @ x.T).astype(g.dtype)
-
-
-def polar_iterations(x: jax.Array, steps: int, gram, mm=jnp.matmul) -> jax.Array:
-    """Polar Express's iterations x <- a·x + (b·A + c·A²)·x on a normalised x, with A = gram(x) the
-    small Gram matrix (xᵀ·x for a tall x, x·xᵀ for a wide one) and the other products through `mm`."""
-    tall = x.shape[0] > x.shape[1]
-    for a, b, c in POLAR_EXPRESS[:steps]:
-        A = gram(x)
-        B = b * A + c * mm(A, A)
-        x = a * x + (mm(x, B) if tall else mm(B, x))
-    return x
-
-
-def normalised(g: jax.Array, work) -> jax.Array:
-    """MuonEq's equilibration, then the Frobenius pre-normalisation with nanochat's x1.01, in `work`.
-
-    In fp32 both come from one pass of column sums of squares: the equilibrated matrix's norm
-    follows from them (||x·s||² = Σ_j s_j²·||x_j||²), so x is read once and scaled once, where
-    three norms and two scalings were each a small kernel on CPU. A bf16 iterate keeps the three:
-    it is scaled in bf16 and its norm measured after rounding, and the fp32 shortcut moved its
-    result further from float64's (3.6e-2 -> 3.9e-2 at 768 x 3072, worse for 12 seeds of 12).
-    """
-    if work != jnp.float32:
-        x = g.astype(work)
-        xf = x.astype(jnp.float32)
-        col = jnp.maximum(jnp.linalg.norm(xf, axis=0, keepdims=True), 1e-6)
-        x = x * (jnp.linalg.norm(xf) / math.sqrt(x.shape[1]) / col).astype(work)
-        return x / (jnp.linalg.norm(x) * 1.01 + 1e-6)
-    xf = g.astype(jnp.float32)
-    sq = jnp.sum(xf * xf, axis=0, keepdims=True)
-    s = jnp.sqrt(jnp.sum(sq) / g.shape[1]) / jnp.maximum(jnp.sqrt(sq), 1e-6)
-    return xf * (s / (jnp.sqrt(jnp.sum(s * s * sq)) * 1.01 + 1e-6))
 
 
 class MuonState(NamedTuple):

@@ -1,6 +1,6 @@
 """The progress file: how a running stage tells a supervisor that it is alive, on every process.
 
-A supervisor (the pod worker `flaxchat/cloud/worker.py`, the Kaggle job wrapper) sets
+A supervisor (the pod worker `flaxchat/runner/worker.py`, the Kaggle job wrapper) sets
 `FLAXCHAT_PROGRESS_FILE` to a local path before it starts a stage; every process of the stage then
 rewrites that file, atomically, after each optimizer step:
 

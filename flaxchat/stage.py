@@ -23,18 +23,6 @@ import threading
 from typing import Callable
 
 
-def check_bookkeeping(keep_checkpoints: int, **every: int) -> None:
-    """One sentence for the checkpoint and cadence flags every stage has, before anything is written:
-    Orbax told to keep 0 checkpoints deletes each one as it is saved, the last one too."""
-    from flaxchat.errors import UserError
-    if keep_checkpoints < 1:
-        raise UserError(f"--keep-checkpoints must be at least 1 (got {keep_checkpoints}): the last checkpoint is "
-                        "what a run resumes from and what the next stage loads.")
-    for name, n in every.items():
-        if n < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {n}).")
-
-
 class StopOnSignal:
     """A notice to stop during a stage's loop: SIGTERM (a spot/preemptible TPU VM's preemption, the end
     of a Kaggle session, the launcher's stop) or SIGINT (Ctrl-C). The step in flight finishes; at the

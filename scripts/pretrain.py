@@ -11,6 +11,7 @@ form one job when JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID a
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import math
 import sys
@@ -73,6 +74,9 @@ HELP = {
     "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
     "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
     "num_samples": "stories sampled at each --sample-every and at the end",
+    "tracker": "where the metrics also go: wandb, tensorboard, none, or a comma list (flaxchat.trackers)",
+    "run_name": "the trackers' name of the run (default: the run folder's name)",
+    "profile_steps": "A:B: a jax.profiler trace of steps A..B-1 into <run>/profile",
 }
 SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
 
@@ -81,8 +85,11 @@ def parse_args(argv, defaults=None, description=__doc__, prog="python -m scripts
     return parse_config(TrainConfig, argv, prog=prog, description=description, defaults=defaults, help=HELP)
 
 
-def main(argv=None, defaults=None) -> int:
-    run(parse_args(argv, defaults))
+def main(argv=None, defaults=None, tune=False) -> int:
+    tc = parse_args(argv, defaults)
+    if tune:  # after the flags, so that --help and a bad flag answer without JAX
+        tune_process()
+    run(tc)
     return 0
 
 
@@ -535,5 +542,4 @@ def _until_bos(tokens, bos):
 
 
 if __name__ == "__main__":
-    tune_process()
-    sys.exit(cli_main(main))
+    sys.exit(cli_main(functools.partial(main, tune=True)))

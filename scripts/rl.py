@@ -19,6 +19,7 @@ run's checkpoint; the run folder may be local or gs://.
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import sys
 import time
@@ -77,8 +78,11 @@ def parse_args(argv) -> RLConfig:
     return parse_config(RLConfig, argv, prog="python -m scripts.rl", description=__doc__, help=STAGE_HELP | HELP)
 
 
-def main(argv=None) -> int:
-    run(parse_args(argv))
+def main(argv=None, tune=False) -> int:
+    cfg = parse_args(argv)
+    if tune:  # after the flags, so that --help and a bad flag answer without JAX
+        tune_process()
+    run(cfg)
     return 0
 
 
@@ -294,5 +298,4 @@ def open_task(spec: str, split: str):
 
 
 if __name__ == "__main__":
-    tune_process()
-    sys.exit(cli_main(main))
+    sys.exit(cli_main(functools.partial(main, tune=True)))

@@ -14,6 +14,7 @@ The defaults take about an hour on a 2-core CPU; --quick runs every stage in a f
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -35,8 +36,10 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, tune=False) -> int:
     args = parse_args(argv)
+    if tune:  # after the flags, so that --help and a bad flag answer without JAX
+        tune_process()
     from flaxchat.report import write_json
     from flaxchat.paths import RunFolder
     from flaxchat.report import write_report
@@ -92,5 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    tune_process()
-    sys.exit(cli_main(main))
+    sys.exit(cli_main(functools.partial(main, tune=True)))

@@ -11,6 +11,7 @@ Run it again with the same --run-dir and it resumes where it stopped.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -42,11 +43,13 @@ DEFAULTS = dict(
 )
 
 
-def main(argv=None) -> int:
+def main(argv=None, tune=False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     export = "--no-export" not in argv  # export model.pkl / weights.npz / model.stablehlo by default
     argv = [a for a in argv if a not in ("--export", "--no-export")]
     cfg = pretrain.parse_args(argv, DEFAULTS, description=__doc__ + EXPORT_HELP, prog="python -m scripts.run_tinystories")
+    if tune:  # after the flags, so that --help and a bad flag answer without JAX
+        tune_process()
     summary = pretrain.run(cfg)
     from flaxchat.paths import RunFolder, exists
     # A rerun of a finished run that was exported leaves its export as it is, as the rest of its record.
@@ -68,5 +71,4 @@ model.mlir, tokenizer/); --no-export skips that.
 
 
 if __name__ == "__main__":
-    tune_process()
-    sys.exit(cli_main(main))
+    sys.exit(cli_main(functools.partial(main, tune=True)))

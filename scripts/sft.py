@@ -17,6 +17,7 @@ next row, the same optimizer state).
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import math
 import sys
@@ -79,8 +80,11 @@ def parse_args(argv, defaults=None) -> SFTConfig:
                         help=STAGE_HELP | HELP)
 
 
-def main(argv=None) -> int:
-    run(parse_args(argv))
+def main(argv=None, tune=False) -> int:
+    cfg = parse_args(argv)
+    if tune:  # after the flags, so that --help and a bad flag answer without JAX
+        tune_process()
+    run(cfg)
     return 0
 
 
@@ -279,5 +283,4 @@ def check_replies(model, tokenizer, prompts: list[str], max_tokens: int = 64) ->
 
 
 if __name__ == "__main__":
-    tune_process()
-    sys.exit(cli_main(main))
+    sys.exit(cli_main(functools.partial(main, tune=True)))

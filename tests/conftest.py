@@ -52,3 +52,11 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:120]})")
     yield where
     subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A 512-token BPE tokenizer of the built-in stories (tests/support.py), trained once per worker;
+    a module that needs another defines its own `tokenizer`."""
+    from support import stories_tokenizer
+    return stories_tokenizer()

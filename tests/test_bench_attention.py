@@ -4,9 +4,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from bench import attention
 from flaxchat.kernels import cpu_attention
+
+pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
+
 
 
 def test_variants_trace_different_kernels_and_restore_the_kernel():

@@ -11,6 +11,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
+
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = sorted(p.stem for p in (REPO / "bench" / "cpu").glob("*.py") if p.stem != "__init__")
 LIBRARIES = {"cycles", "profiling"}  # called by bench.train_throughput --cycles / --profile

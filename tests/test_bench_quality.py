@@ -14,6 +14,9 @@ import types
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
+
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -15,6 +15,9 @@ import pytest
 from bench import median_interval, train_throughput
 from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS, polar_express
 
+pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

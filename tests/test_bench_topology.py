@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmarks: CI runs it; `-m "not slow"` skips it
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBTPU = importlib.util.find_spec("libtpu")
 

@@ -28,6 +28,9 @@ from flaxchat.gpt import GPT
 from flaxchat.optim import OptimConfig, Schedule, make_optimizer
 from flaxchat.train import StepLoop, check_same_types
 
+pytestmark = pytest.mark.slow  # end to end: bf16 training runs: CI runs it; `-m "not slow"` skips it
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED = re.compile(r"jaxpr to MLIR module conversion jit\((\w+)\)")  # every compile, cache hits too
 

@@ -15,7 +15,7 @@ import pytest
 from flaxchat.errors import cli_main
 from flaxchat.loading import load_model, save_run
 from scripts import chat_cli
-from test_engine import nonzero_model
+from support import nonzero_model
 
 
 def typing(monkeypatch, lines):
@@ -29,13 +29,6 @@ def typing(monkeypatch, lines):
         except StopIteration:
             raise EOFError from None
     monkeypatch.setattr(builtins, "input", fake)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from flaxchat.data.stories import StoriesCorpus
-    from flaxchat.tokenizer import Tokenizer
-    return Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], 512, max_chars=200_000)
 
 
 @pytest.fixture(scope="module")

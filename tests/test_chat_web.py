@@ -26,16 +26,13 @@ import requests
 from flaxchat.engine import Engine
 from flaxchat.loading import save_run
 from scripts import chat_web
-from test_engine import TINY, nonzero_model, scripted_model, tool_chain
+from support import ENGINE_TINY as TINY
+from support import nonzero_model, scripted_model, tool_chain
+
+pytestmark = pytest.mark.slow  # a real uvicorn server: CI runs it; `-m "not slow"` skips it
+
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from flaxchat.data.stories import StoriesCorpus
-    from flaxchat.tokenizer import Tokenizer
-    return Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], 512, max_chars=200_000)
 
 
 class Server:

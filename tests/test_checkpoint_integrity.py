@@ -113,7 +113,7 @@ def test_the_owner_moves_a_damaged_latest_step_aside_and_resumes_the_one_before(
 @pytest.mark.parametrize("how", [d for d in DAMAGE if d != "removed optimizer folder"])  # a model has none
 def test_a_reader_uses_the_newest_intact_step_and_leaves_the_damaged_one_alone(tmp_path, capsys, how):
     from flaxchat.loading import load_model, save_run
-    from test_engine import nonzero_model
+    from support import nonzero_model
 
     run = tmp_path / "run"
     for s, seed in ((2, 1), (4, 2)):
@@ -162,7 +162,7 @@ def test_readers_never_write_into_the_run(tmp_path):
     --base) opened the run as its owner and deleted it, which ended the training run's save."""
     from flaxchat.loading import load_model, read_run, save_run
     from flaxchat.tokenizer import Tokenizer
-    from test_engine import nonzero_model
+    from support import nonzero_model
     from flaxchat.data.stories import StoriesCorpus
     from flaxchat.export import read_checkpoint
 

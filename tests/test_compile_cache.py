@@ -7,6 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # end to end: fresh processes compiling: CI runs it; `-m "not slow"` skips it
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = textwrap.dedent("""
     import jax, jax.numpy as jnp

@@ -11,6 +11,9 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end to end: processes that restart themselves: CI runs it; `-m "not slow"` skips it
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A step-like call: a 256 MiB product as a temporary (larger than a thread's malloc heap can hold),

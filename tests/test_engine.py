@@ -19,42 +19,10 @@ from flax import nnx
 
 from flaxchat import engine as E
 from flaxchat.config import GPTConfig
-from flaxchat.data.stories import StoriesCorpus
 from flaxchat.errors import UserError
-from flaxchat.gpt import GPT
-from flaxchat.tokenizer import Tokenizer
 from flaxchat.tools import calculate, run_tool
-
-# GQA (4 query heads on 2 kv heads), a 16-token sliding window on layers 0 and 2... except the last,
-# which is always full: windows [16, 64, 64].
-TINY = GPTConfig(sequence_len=64, vocab_size=512, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
-                 window_pattern="SL", attn_block=16)
-
-
-SCALARS = {"resid_lambdas": 1.0, "x0_lambdas": 0.1, "smear_lambda": 0.3, "backout_lambda": 0.2}
-
-
-def nonzero_model(cfg=TINY, seed=0, base=None, noise=0.0):
-    """Every parameter random (numpy, so no op-by-op JAX init): zero-initialised output projections
-    would hide a broken cache. With `base`, its parameters plus `noise` (a draft that mostly agrees)."""
-    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
-    base_leaves = jax.tree.leaves(nnx.state(base, nnx.Param)) if base is not None else None
-    values = []
-    for i, (path, leaf) in enumerate(leaves):
-        name = jax.tree_util.keystr(path)
-        if base_leaves is not None:
-            b = np.asarray(base_leaves[i])  # numpy's std: np.std of a jax array runs jax's, compiled per shape
-            x = b + noise * rng.standard_normal(leaf.shape) * b.std()
-        elif len(leaf.shape) == 2:
-            x = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[0] if "embedding" not in name else 1)
-        else:
-            x = next(v for k, v in SCALARS.items() if k in name) + 0.05 * rng.standard_normal(leaf.shape)
-        values.append(jnp.asarray(x, jnp.float32))
-    nnx.update(model, jax.tree.unflatten(treedef, values))
-    return model
-
+from support import ENGINE_TINY as TINY
+from support import nonzero_model, scripted_model, tool_chain
 
 @pytest.fixture(scope="module")
 def model():
@@ -76,11 +44,6 @@ def full_forward():
         buf[0, :len(seq)] = seq
         return np.asarray(fn(m, jnp.asarray(buf)))[0, :len(seq)]
     return run
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], TINY.vocab_size, max_chars=200_000)
 
 
 def prompt_of(n, seed=0):
@@ -236,35 +199,6 @@ def test_streaming_yields_before_the_end_and_cancels(model, engine):
 
 
 # --- tool use -------------------------------------------------------------------------------------
-
-
-def scripted_model(chain: list[int], seed: int = 0):
-    """A TINY-shaped model that, given token chain[i], writes chain[i+1] (greedy). Output projections
-    are zero and the residual is the embedding alone, so logits = norm(wte[t]) @ lm_head, and
-    lm_head's column for chain[i+1] is norm(wte[chain[i]]): a dot of 64 against noise of ~8."""
-    assert len(set(chain[:-1])) == len(chain) - 1, "each token of the chain needs one successor"
-    model = nonzero_model(seed=seed)
-    for block in model.blocks:
-        block.attn.c_proj.kernel[...] = jnp.zeros_like(block.attn.c_proj.kernel[...])
-        block.mlp.c_proj.kernel[...] = jnp.zeros_like(block.mlp.c_proj.kernel[...])
-    model.resid_lambdas[...] = jnp.ones_like(model.resid_lambdas[...])
-    model.x0_lambdas[...] = jnp.zeros_like(model.x0_lambdas[...])
-    model.backout_lambda[...] = jnp.zeros_like(model.backout_lambda[...])
-    model.smear_lambda[...] = jnp.zeros_like(model.smear_lambda[...])
-    emb = np.asarray(jax.random.normal(jax.random.key(seed), model.wte.embedding.shape))
-    model.wte.embedding[...] = jnp.asarray(emb)
-    normed = emb / np.sqrt((emb ** 2).mean(-1, keepdims=True))
-    head = np.zeros(model.lm_head.kernel.shape, np.float32)
-    for a, b in zip(chain, chain[1:]):
-        head[:, b] += normed[a] / 8
-    model.lm_head.kernel[...] = jnp.asarray(head)
-    return model
-
-
-def tool_chain(tokenizer, expr):
-    s = tokenizer.special_tokens
-    return ([s["<|assistant_start|>"], s["<|python_start|>"]] + tokenizer.encode(expr) + [s["<|python_end|>"]],
-            [s["<|output_end|>"], s["<|assistant_end|>"]])
 
 
 @pytest.mark.parametrize("expr,result", [("6*7", "42"), ("abs(-9)", "9")])  # calculator, then sandbox

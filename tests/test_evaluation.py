@@ -28,18 +28,13 @@ from flaxchat.data.stories import StoriesCorpus
 from flaxchat.engine import Engine
 from flaxchat.errors import cli_main
 from flaxchat.loading import save_run
-from flaxchat.tokenizer import Tokenizer
 from scripts import eval as eval_script
 from tasks.base import Task, render_parts
-from test_engine import TINY, nonzero_model, scripted_model
+from support import ENGINE_TINY as TINY
+from support import nonzero_model, scripted_model
 
 T = TINY.sequence_len
 ROOT = str(Path(__file__).resolve().parents[1])
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.train([StoriesCorpus(seed=0).doc(i) for i in range(300)], TINY.vocab_size, max_chars=200_000)
 
 
 @pytest.fixture(scope="module")

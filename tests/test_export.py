@@ -23,6 +23,9 @@ from flaxchat.export.formats import flatten, pkl_bytes_equal, save_pkl
 from flaxchat.export.stablehlo import load_stablehlo
 from flaxchat.gpt import GPT
 
+pytestmark = pytest.mark.slow  # exports and compiles whole models: CI runs it; `-m "not slow"` skips it
+
+
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                  window_pattern="SL", attn_block=16)  # layer 0 sees a 16-token window
 

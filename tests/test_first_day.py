@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from support import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--depth=1", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2", "--total-batch-size=128",
-        "--log-every=1", "--num-samples=1", "--max-chars-tokenizer=300000", "--eval-every=0"]
+TINY = tiny_flags(eval_every=0)
 
 
 def _pretrain(args, timeout=300):

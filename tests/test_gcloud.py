@@ -13,8 +13,11 @@ import pytest
 
 from flaxchat.cloud.rehearsal import emulator
 from flaxchat.cloud import gcloud as g
-from flaxchat.cloud.worker import _pid_alive  # zombie-aware
+from flaxchat.runner.worker import _pid_alive  # zombie-aware
 from flaxchat.errors import UserError
+
+pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
+
 
 P, Z = "proj", "us-central2-b"
 

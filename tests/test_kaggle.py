@@ -34,6 +34,8 @@ from flaxchat.uploads import repo_files
 sys.path.insert(0, str(Path(__file__).parent))
 from jupyter_fixture import STAND_IN as _STAND_IN, KAGGLE_BASE, JupyterServer, make_kernel_venv, snapshot_repo  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-4f1c"
 quiet = lambda stream, text: None  # noqa: E731
@@ -41,6 +43,7 @@ quiet = lambda stream, text: None  # noqa: E731
 _AUTHORIZER = '''
 import os
 from jupyter_server.auth.authorizer import AllowAllAuthorizer
+
 
 class ToggleAuthorizer(AllowAllAuthorizer):
     """Forbids starting kernels while the file named by FLAXCHAT_TEST_DENY exists."""

@@ -17,6 +17,9 @@ from flaxchat.errors import cli_main  # noqa: E402
 from flaxchat.remote import __main__ as cli_module  # noqa: E402
 from flaxchat.remote.kaggle import KaggleRunner  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
+
+
 TOKEN = "test-token-cli"
 
 

@@ -29,7 +29,11 @@ from flaxchat.remote import KaggleRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from jupyter_fixture import JupyterServer, make_kernel_venv, snapshot_repo  # noqa: E402
-from test_multihost import cache_env, compare_params, cpu_env  # noqa: E402
+from support import cache_env, cpu_env  # noqa: E402
+from test_multihost import compare_params  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
+
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "gcs-test-token"

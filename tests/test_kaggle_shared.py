@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from jupyter_fixture import (FAKE_JAX, KAGGLE_BASE, STAND_IN, JupyterServer, NotebookTab, Proxy,  # noqa: E402
                              fake_accelerator_dists, make_kernel_venv, snapshot_repo)
 
+pytestmark = pytest.mark.slow  # a real jupyter_server and kernels: CI runs it; `-m "not slow"` skips it
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 TOKEN = "kaggle-tab-7c2e"

@@ -31,9 +31,12 @@ import pytest
 
 from flaxchat.cloud import gcloud as g
 from flaxchat.cloud import recovery as rec
-from flaxchat.cloud.launcher import TPUConfig, TPULauncher, load_state, main, save_state
+from flaxchat.cloud.cli import main
+from flaxchat.cloud.launcher import TPUConfig, TPULauncher, load_state, save_state
 from flaxchat.cloud.rehearsal import emulator
 from flaxchat.errors import cli_main
+
+pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P, Z, NAME = "proj", "us-central2-b", "pod"
@@ -53,6 +56,7 @@ TEST_INSTALL = (f'"$UV" venv --python {os.path.realpath(sys.executable)} --allow
 STANDIN = r"""
 import json, os, sys, time
 import fsspec  # gs:// as flaxchat.paths and Orbax reach it (the rehearsal bucket here)
+
 args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
 run_dir, steps, every = args["run-dir"], int(args["steps"]), int(args.get("save-every", 5))
 pid = int(os.environ.get("JAX_PROCESS_ID", "0"))
@@ -301,7 +305,7 @@ def test_cli_create_setup_upload_then_later_calls_name_only_the_project(pod, cap
     for w in (0, 1):
         home = worker_home(w)
         assert os.path.exists(os.path.join(home, "flaxchat", "standin.py"))
-        assert os.path.exists(os.path.join(home, "flaxchat", "flaxchat", "cloud", "worker.py"))
+        assert os.path.exists(os.path.join(home, "flaxchat", "flaxchat", "runner", "worker.py"))
         assert not os.path.exists(os.path.join(home, "flaxchat", ".env"))  # never uploaded
         assert not os.path.exists(os.path.join(home, "flaxchat", "ignored.txt"))  # .gitignore honoured
     code, _, err = cli(capsys, f"--project={P}", "--setup", f"--upload={repo}")
@@ -540,7 +544,7 @@ def test_a_worker_that_finished_first_is_not_a_failure_while_worker_0_still_writ
 def test_a_command_that_exited_before_its_supervisor_wrote_the_code_is_not_killed(tmp_path):
     # The window `wait` once fell into (under load): the command has exited (a zombie, not yet
     # collected) and its supervisor is alive, about to write exit_code. That is "exiting", alive.
-    from flaxchat.cloud import worker
+    from flaxchat.runner import worker
     child = subprocess.Popen(["true"])  # never waited for here: a zombie until the test ends
     supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "_supervise"])
     try:
@@ -566,7 +570,7 @@ def test_a_command_that_exited_before_its_supervisor_wrote_the_code_is_not_kille
 @pytest.mark.timeout(90)
 def test_exit_code_is_written_though_a_leftover_process_holds_the_output(tmp_path):
     # `sleep 600 &` inherits the command's stdout: reading it to the end would wait for the sleep.
-    from flaxchat.cloud import worker
+    from flaxchat.runner import worker
     state = str(tmp_path / "state")
     script = os.path.abspath(worker.__file__)
     out = subprocess.run([sys.executable, script, "start", "--run-id", "r1", "--cwd", str(tmp_path),
@@ -629,7 +633,7 @@ def test_logs_follow_detaches_on_ctrl_c_and_training_goes_on(spod, capsys):
 def test_workers_never_ask_the_bucket_themselves():
     """Completion of a gs:// run is checked once per poll by the launcher (`gcloud storage ls`), not by
     every worker, and never in `logs --follow`'s 0.25 s loop (which used to call gcloud each time)."""
-    src = open(os.path.join(REPO, "flaxchat", "cloud", "worker.py")).read()
+    src = open(os.path.join(REPO, "flaxchat", "runner", "worker.py")).read()
     assert '"gcloud"' not in src and "storage" not in src
 
 
@@ -995,7 +999,7 @@ def test_launcher_imports_no_jax_and_never_asks_for_the_emulator():
     code = ("import sys; from flaxchat.cloud import TPULauncher, TPUConfig; import flaxchat.cloud.launcher; "
             "assert 'jax' not in sys.modules and 'flaxchat.cloud.rehearsal.emulator' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-    for name in ("launcher.py", "cli.py", "gcloud.py", "recovery.py", "worker.py", "topology.py"):
+    for name in ("launcher.py", "cli.py", "gcloud.py", "recovery.py", "topology.py", "../runner/worker.py"):
         src = open(os.path.join(REPO, "flaxchat", "cloud", name)).read()
         assert "flaxchat-emulator" not in src and "is_local" not in src, name
     import ast  # the emulator is named in one function only: the one place the backend is chosen
@@ -1037,7 +1041,8 @@ def test_pod_rehearsal_preempted_mid_training_resumes_from_the_bucket_to_the_sam
     gone with the recreate) with a save cut off in the bucket, recover, resume from the last complete
     step (not 0, not the cut one), finish: the final parameters equal an uninterrupted run's."""
     from tests.test_multihost import STEPS as steps
-    from tests.test_multihost import cache_env, compare_params, coordinator_env, finish, free_port, start
+    from support import cache_env, coordinator_env, finish, free_port, start
+    from tests.test_multihost import compare_params
 
     # The uninterrupted reference: the same 2 processes x 1 device, started directly (and first, so that
     # the pod's runs find the train step compiled in the on-disk cache).

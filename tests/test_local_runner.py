@@ -10,6 +10,9 @@ import pytest
 from flaxchat.remote import LocalRunner, RemoteRunner, RemoteTimeout, RunResult, RunStatus
 from flaxchat.errors import UserError
 
+pytestmark = pytest.mark.slow  # real supervised processes: CI runs it; `-m "not slow"` skips it
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

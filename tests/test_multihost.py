@@ -10,12 +10,13 @@ Slow-marked: each run compiles the train step (~30 s here, cached on disk for th
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from support import coordinator_env, cpu_env, finish, free_port, start
+
+pytestmark = pytest.mark.slow  # end to end: several JAX processes: CI runs it; `-m "not slow"` skips it
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60  # enough for the pod rehearsal to be preempted mid-training, after its first checkpoint
@@ -27,6 +28,7 @@ TINY = ["--depth=1", f"--steps={STEPS}", "--sequence-len=32", "--vocab-size=300"
 # precision (pretrain's own lines come from process 0 only, with 4 decimals).
 DRIVER = """
 import sys, jax, flaxchat.train as train
+
 step = train.StepLoop.__call__
 def logged_step(self, *args):
     loss = step(self, *args)
@@ -54,49 +56,6 @@ for (path, x), (_, y) in zip(la, lb):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7, err_msg=str(path))
 print(f"OK {len(la)} arrays at step {sa}")
 '''
-# Compiled executables are cached on disk across runs with the same device layout (the pod
-# rehearsal, its resumed run and its reference share them): minutes of XLA compiling saved.
-JAX_CACHE = os.path.join(tempfile.gettempdir(), "flaxchat-test-jax-cache")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    return {**env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **cache_env(), **extra}
-
-
-def cache_env() -> dict:
-    """The session's cache (tests/conftest.py sets one) or ours; every run and worker uses the same."""
-    return {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", JAX_CACHE),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
-def coordinator_env(port: int, n: int, i: int) -> dict:
-    return {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i)}
-
-
-def start(argv, devices: int, extra_env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=cpu_env(devices, **(extra_env or {})),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"training did not finish in {timeout:.0f} s:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
 def compare_params(run_a, run_b, devices: int) -> str:
     out = subprocess.run([sys.executable, "-c", COMPARE, str(run_a), str(run_b)], cwd=REPO, env=cpu_env(devices),
                          capture_output=True, text=True, timeout=180)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-device training: CI runs it; `-m "not slow"` skips it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _COUNT = r"""
@@ -27,6 +29,7 @@ from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import OptimConfig, Schedule, build_optimizer, labels_for, _path_str
 from flaxchat.train import train_step
+
 
 CFG = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, attn_block=16)
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

@@ -16,6 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from flaxchat import paths
 from flaxchat.errors import UserError
+from support import tiny_flags
 
 
 @pytest.mark.timeout(10)
@@ -284,8 +285,7 @@ def test_check_writable_says_why(tmp_path, monkeypatch):
 
 # --- through scripts.pretrain --------------------------------------------------------------------
 
-TINY = ["--depth=1", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2", "--total-batch-size=64",
-        "--eval-every=0", "--sample-every=0", "--log-every=1", "--num-samples=1", "--max-chars-tokenizer=100000"]
+TINY = tiny_flags(total_batch_size=64, max_chars_tokenizer=100_000, eval_every=0, sample_every=0)
 
 
 def _pretrain(argv, capsys):

@@ -19,9 +19,13 @@ import jax
 import numpy as np
 import pytest
 
-from test_multihost import compare_params, coordinator_env, cpu_env, free_port
+from support import coordinator_env, cpu_env, free_port
+from test_multihost import compare_params
 from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
 from test_train import TINY, _env, _final_params, _pretrain, tokenizer_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow  # end to end: signals to training processes: CI runs it; `-m "not slow"` skips it
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
@@ -279,7 +283,7 @@ def _wait_for(state, line: str, timeout: float = 60) -> None:
 @pytest.mark.timeout(120)
 def test_a_stalled_step_leaves_its_python_stacks_before_it_is_killed(tmp_path):
     # Started from an ssh session (its own session, as sshd makes one) that then drops: SIGHUP to it.
-    from flaxchat.cloud import worker
+    from flaxchat.runner import worker
     state = tmp_path / "state"
     (tmp_path / "stalled.py").write_text(STALLED)
     start = [sys.executable, worker.__file__, "start", "--state-dir", str(state), "--run-id", "r1", "--cwd",

@@ -46,7 +46,7 @@ def test_read_rejects_foreign_or_half_files(tmp_path):
 def test_a_stage_names_its_run_folder_and_marker_so_a_supervisor_never_parses_its_command(tmp_path):
     """A launcher that was not told the run folder learns the completion marker from the stage itself:
     worker.py's status reports it and looks for it, local (here) or, from the launcher, in a bucket."""
-    from flaxchat.cloud import worker
+    from flaxchat.runner import worker
     path = tmp_path / "state" / "progress.json"
     Progress("sft", steps=4, path=str(path), run_dir="gs://b/d20-sft").update(1)
     assert {k: read(str(path))[k] for k in ("run_dir", "marker")} == {"run_dir": "gs://b/d20-sft",

@@ -4,7 +4,7 @@ import pytest
 
 from flaxchat.cloud.recovery import (Action, Counters, Decision, Observation, Policy, WorkerObs, decide,
                                      next_counters, recover_loop)
-from flaxchat.remote.base import RemoteError
+from flaxchat.runner.base import RemoteError
 
 P = Policy(poll_s=60, max_restarts=3, max_recreates=2, backoff_s=10, max_backoff_s=25,
            heartbeat_deadline_s=600, unreachable_polls=3)

@@ -24,10 +24,9 @@ from flaxchat.paths import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from test_multihost import cache_env  # noqa: E402
+from support import cache_env, tiny_flags  # noqa: E402
 
-TINY = ["--depth=1", "--sequence-len=32", "--vocab-size=300", "--device-batch-size=2", "--total-batch-size=128",
-        "--eval-every=0", "--sample-every=0", "--log-every=1", "--num-samples=1", "--max-chars-tokenizer=300000"]
+TINY = tiny_flags(eval_every=0, sample_every=0)
 
 
 class Gcs:

@@ -24,11 +24,14 @@ from flaxchat.paths import RunFolder
 sys.path.insert(0, str(Path(__file__).parent))
 from test_run_folder import TINY, Gcs  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end to end: two training processes on one run folder: CI runs it; `-m "not slow"` skips it
+
 # Takes the lock of argv[1] as a stage does (`open_checkpoints`), says so, then holds it.
 HOLD = """
 import sys, time
 from flaxchat.errors import cli_main
 from flaxchat.run_lock import RunLock
+
 def main(argv):
     RunLock.acquire(sys.argv[1], log=lambda s: print(s, flush=True))
     print("held", flush=True)

@@ -9,6 +9,9 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs bench.scale: CI runs it; `-m "not slow"` skips it
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

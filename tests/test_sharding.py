@@ -17,6 +17,9 @@ from flaxchat import sharding
 from flaxchat.config import GPTConfig
 from flaxchat.errors import UserError
 
+pytestmark = pytest.mark.slow  # multi-device training in subprocesses: CI runs it; `-m "not slow"` skips it
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -20,6 +20,8 @@ from flaxchat.cloud.skypilot import JobSpec, task_for, to_yaml
 from flaxchat.cloud.topology import topology_for
 from flaxchat.errors import ExitCode
 
+pytestmark = pytest.mark.slow  # an emulated cloud with real processes: CI runs it; `-m "not slow"` skips it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKY_PYTHON = os.environ.get("FLAXCHAT_SKYPILOT_PYTHON") or (
     sys.executable if importlib.util.find_spec("sky") else None)
@@ -43,6 +45,7 @@ _PARSE = r"""
 import json, sys, yaml
 import sky
 from sky.utils import common_utils, schemas
+
 out = {}
 for path in sys.argv[1:]:
     config = yaml.safe_load(open(path))

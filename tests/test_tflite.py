@@ -18,6 +18,9 @@ from flaxchat.errors import UserError, cli_main
 from flaxchat.export import load_pkl
 from test_export import TINY, logits, run  # noqa: F401  (run: the shared session fixture)
 
+pytestmark = pytest.mark.slow  # converts and runs TFLite models: CI runs it; `-m "not slow"` skips it
+
+
 HAVE_LITERT = all(importlib.util.find_spec(m) is not None for m in ("litert_converter", "ai_edge_litert"))
 needs_litert = pytest.mark.skipif(not HAVE_LITERT, reason="the export extra (litert-converter, ai-edge-litert) "
                                   "is not installed: pip install -e \".[export]\"")

@@ -5,7 +5,7 @@ import pytest
 from flaxchat.cloud.topology import (TOPOLOGIES, check_process_count, default_runtime_version, num_workers_for,
                                      topology_for, valid_accelerators)
 from flaxchat.errors import UserError
-from flaxchat.remote.base import RemoteError
+from flaxchat.runner.base import RemoteError
 
 
 @pytest.mark.parametrize("accel, chips, workers", [

@@ -17,6 +17,9 @@ from flaxchat.errors import UserError
 from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
 from test_train import ROOT, TINY, _env, tokenizer_dir  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.slow  # end to end: training runs with trackers: CI runs it; `-m "not slow"` skips it
+
+
 TRACKER_MODULES = ("wandb", "tensorboardX", "tensorboard")
 
 

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 
 from flaxchat.cloud import gcloud as g
@@ -17,7 +18,7 @@ from flaxchat.cloud import launcher as _launcher
 from flaxchat.cloud import recovery as rec
 from flaxchat.cloud.launcher import TPUConfig, TPULauncher, check_run_folder, load_state, state_path
 from flaxchat.cloud.topology import topology_for
-from flaxchat.errors import UserError
+from flaxchat.errors import UserError, cli_main
 
 # --- command line ---------------------------------------------------------------------------------
 
@@ -254,3 +255,13 @@ def main(argv=None) -> int:
     if args.teardown:
         launcher.teardown()
     return code
+
+
+def console() -> int:
+    """`python -m flaxchat.cloud.launcher` and the installed `flaxchat-launch`: a UserError is one
+    line on stderr and exit code 2, not a traceback."""
+    return cli_main(main)
+
+
+if __name__ == "__main__":
+    sys.exit(console())

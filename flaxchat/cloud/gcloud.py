@@ -6,7 +6,7 @@ tests check the builders on their output, and the executor against the local emu
 (`flaxchat.cloud.rehearsal.emulator`), which answers the same commands with real processes.
 
 Secrets never go into any of these: they travel in an env file (see `worker_env`) that is copied
-with `scp` and read by `flaxchat/cloud/worker.py` on each worker.
+with `scp` and read by `flaxchat/runner/worker.py` on each worker.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tarfile
 from typing import Callable, Mapping, Sequence
 
 from flaxchat.errors import UserError
-from flaxchat.remote.base import RemoteError, RemoteTimeout
+from flaxchat.runner.base import RemoteError, RemoteTimeout
 
 INSTALL_HINT = (
     "the gcloud CLI was not found on PATH; install the Google Cloud SDK "
@@ -41,7 +41,7 @@ REMOTE_VENV = f"{REMOTE_STATE}/venv"
 REMOTE_BOOTSTRAP = f"{REMOTE_STATE}/bootstrap"  # where uv is pip-installed when the image has none
 REMOTE_PYTHON = f"{REMOTE_STATE}/python"  # where uv puts the Python it fetches (packed with the venv)
 PYTHON_VERSION = "3.11"
-WORKER_PY = f"{REMOTE_REPO}/flaxchat/cloud/worker.py"
+WORKER_PY = f"{REMOTE_REPO}/flaxchat/runner/worker.py"
 COORDINATOR_PORT = 8476  # the port JAX's own TPU examples use for the coordinator
 
 

@@ -39,8 +39,8 @@ from flaxchat.cloud import gcloud as g
 from flaxchat.cloud import goodput as gp
 from flaxchat.cloud import recovery as rec
 from flaxchat.cloud.topology import check_process_count, default_runtime_version, topology_for
-from flaxchat.errors import UserError, cli_main
-from flaxchat.remote.base import RemoteError, RemoteRunner, RemoteTimeout, RunResult, RunStatus
+from flaxchat.errors import UserError
+from flaxchat.runner.base import RemoteError, RemoteRunner, RemoteTimeout, RunResult, RunStatus
 
 STATE_ENV = "FLAXCHAT_LAUNCHER_STATE"
 QR_WAIT_STATES = ("ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "CREATING", "STATE_UNSPECIFIED")
@@ -797,18 +797,6 @@ class TPULauncher(RemoteRunner):
                          error_value=None if ok else decision.reason)
 
 
-def main(argv=None) -> int:
-    """`python -m flaxchat.cloud.launcher` (and `flaxchat-launch`): the command line lives in
-    flaxchat/cloud/cli.py, which turns flags into the calls above."""
-    from flaxchat.cloud.cli import main as cli
-    return cli(argv)
-
-
-def console() -> int:
-    """The installed `flaxchat-launch` command: as `python -m`, a UserError is one line on stderr and
-    exit code 2, not a traceback."""
-    return cli_main(main)
-
-
-if __name__ == "__main__":
-    sys.exit(console())
+if __name__ == "__main__":  # python -m flaxchat.cloud.launcher: the command line is flaxchat/cloud/cli.py
+    import runpy
+    runpy.run_module("flaxchat.cloud.cli", run_name="__main__", alter_sys=True)

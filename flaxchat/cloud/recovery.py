@@ -41,7 +41,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from flaxchat.errors import ExitCode
-from flaxchat.remote.base import RemoteError
+from flaxchat.runner.base import RemoteError
 
 GONE_STATES = frozenset({"PREEMPTED", "TERMINATED"})
 QR_GONE_STATES = frozenset({"FAILED", "SUSPENDED", "SUSPENDING"})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from flaxchat.errors import UserError
-from flaxchat.remote.base import RemoteError
+from flaxchat.runner.base import RemoteError
 
 CHIPS_PER_MULTIHOST_VM = 4  # every generation here: a multi-VM slice is built from 4-chip hosts
 

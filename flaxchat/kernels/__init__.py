@@ -18,44 +18,21 @@ forms in `cpu_muon.py`. `flaxchat.ops` keeps the plain math they all compute.
 
 Adding an attention kernel: write `fn(q, k, v, window, block) -> y` (q (B,T,H,D), k/v (B,T,Hkv,D),
 keys max(0, t-window+1) .. t; `block` is the model's attention block, which a kernel with its own
-tiling ignores) in the backend's file and name it in that file's ATTENTION; `--attention NAME` then
+tiling ignores) in the backend's file and name it in that file's ATTENTION and in
+`flaxchat.config.ATTENTION_NAMES` (what flag checking reads without JAX); `--attention NAME` then
 works everywhere, and a test holds it to `ops.reference_attention`. Nothing else changes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Callable
 
+from flaxchat.kernels.record import Kernels  # noqa: F401 (flaxchat.kernels.Kernels)
+
 BACKENDS = ("cpu", "gpu", "tpu")
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernels:
-    """The kernels a model runs with (hashable: it is part of the model's static graph)."""
-
-    backend: str  # cpu, gpu, tpu, or portable (export)
-    attention_name: str  # what `attention` is: splash, cudnn, blockwise, xla, ...
-    attention: Callable  # (q, k, v, window, block) -> y
-    matmul: Callable  # (x, w) -> x @ w, with this backend's backward
-    rotary_rms_norm: Callable  # (x, RotaryTable, scale) -> rms_norm(rotary(x)) * scale
-    cross_entropy: Callable  # (raw logits, labels, cap) -> per-token nats of the soft-capped logits
-    polar_express: Callable  # (g, steps, dtype) -> the orthogonalised g (Muon)
-    ns_dtype: str  # Polar Express's dtype when --ns-dtype is auto
-    muon_batched: bool = False  # Polar Express on stacks of same-shape matrices (`optim.muon`'s batched)
-    remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
-    head_loss: Callable | None = None  # (x, head weight, labels, weights, cap) -> weighted loss sum, fused
-    scan_unroll: int = 1  # micro-batches the accumulation runs side by side
-    halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
-    flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer
-
-    def describe(self) -> str:
-        """One line for a log: what runs where."""
-        extra = ", remat (--grad-checkpoint)" if self.remat is not None else ""
-        return f"kernels: {self.backend}, attention {self.attention_name}{extra}"
 
 
 def backend_module(backend: str):
@@ -79,7 +56,8 @@ def attention_kernels() -> dict[str, Callable]:
 
 
 def attention_names() -> tuple[str, ...]:
-    """What --attention takes: auto (the backend's default) and every kernel's name."""
+    """What --attention takes: auto (the backend's default) and every kernel's name
+    (`flaxchat.config.ATTENTION_NAMES` lists them for flag checking, which imports no JAX)."""
     return ("auto", *sorted(attention_kernels()))
 
 
@@ -110,7 +88,7 @@ def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint:
 def portable() -> Kernels:
     """Plain XLA ops and dense attention: what an exported program (StableHLO, TFLite) is made of."""
     from flaxchat import ops
-    from flaxchat.optim import polar_express
+    from flaxchat.ops import polar_express
     return Kernels(backend="portable", attention_name="xla", attention=_xla, matmul=ops.matmul,
                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
                    polar_express=polar_express, ns_dtype="float32")

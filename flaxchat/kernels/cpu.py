@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxchat import ops
+from flaxchat.kernels.cpu_layout import stored_transpose
 
 DEFAULT_ATTENTION = "blockwise"
 
@@ -39,7 +40,7 @@ ATTENTION = {"blockwise": _blockwise}  # the kernels this file adds to --attenti
 
 def kernels(attention_name: str, attention, grad_checkpoint: bool):
     """The CPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
-    from flaxchat.kernels import Kernels
+    from flaxchat.kernels.record import Kernels
     from flaxchat.kernels.cpu_muon import polar_express
     return Kernels(backend="cpu", attention_name=attention_name, attention=attention, matmul=matmul,
                    rotary_rms_norm=rotary_rms_norm, cross_entropy=softcap_cross_entropy,
@@ -50,28 +51,6 @@ def kernels(attention_name: str, attention, grad_checkpoint: bool):
                    muon_batched=False,
                    remat=remat_block if grad_checkpoint else None, scan_unroll=SIDE_BY_SIDE,
                    halve_lone_micro_batch=halves_a_lone_micro_batch(), flat_gradient_reduce=True)
-
-
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
-
-
-def stored_transpose(x: jax.Array, perm) -> jax.Array:
-    """`jnp.transpose(x, perm)` as a copy of the materialised x, on CPU (a plain transpose on the
-    other backends, where the CPU kernels here run only when asked for by name).
-
-    XLA:CPU fuses a transpose with the elementwise work that produced its input and then runs the
-    producer column by column: relu²(h)ᵀ for h (2048, 1024) took 12.2 ms where transposing a
-    stored array took 0.6 ms. It drops optimization barriers before fusing, but never fuses
-    across a conditional, so the transpose goes in one (both branches the same; the predicate reads
-    the data, so the compiler cannot fold the conditional away). One train step of an 8L/512d GPT:
-    1,171 -> 1,059 ms; 4L/256d: 295 -> 270 ms (2-core AMD EPYC, interleaved).
-    """
-    if not _on_cpu():
-        return jnp.transpose(x, perm)
-    flat = x.reshape(-1)
-    keep = flat[0] == flat[0]  # True, except for a NaN (then the other, identical branch runs)
-    return jax.lax.cond(keep, lambda a: jnp.transpose(a, perm), lambda a: jnp.transpose(a, perm), x)
 
 
 # --- linear -------------------------------------------------------------------------------------
@@ -180,22 +159,8 @@ def _capped_ce_fwd(z, labels, cap):
     """Keeps tanh(z/cap) and the exponentials for the backward, not the raw z (z dies with the
     forward), so the backward computes no exp.
 
-    Saving z held a second logits-sized buffer from the forward to the backward: config A's train
-    step (8 x 256 tokens, 4,096-token vocab) needed a 347.6 MiB temporary arena with it and 315.6
-    MiB with s (`compiled.memory_analysis()`), and XLA:CPU maps and faults in that arena afresh
-    every step. The step, paired by round in one process (2-core Intel Xeon with AMX): 11.0 and
-    5.1 ms faster at the median (30 rounds each, faster in 73% and 67%); pinned to one core, 19.9
-    ms of 722.
-
-    Then s, computed again in the backward (exp(s - lse)), gave way to tanh and the exponentials
-    themselves: an exp per logit is dearer on XLA:CPU than writing and reading one more
-    logits-sized array. The LM head with its loss, forward+backward at one 1,024 x 4,096 micro-batch
-    (2-core Intel Xeon with AMX, 60 interleaved rounds, the training processes' malloc tuning):
-    28.75 -> 26.40 ms, pinned to one core 52.3 -> 46.5; the main job's step (8 x 256 tokens) in five
-    alternating pairs of fresh processes, 335.8 -> 328.7 ms on the means, faster in all five.
-    The price is that second logits-sized buffer again: the step's temporary arena went from 315.6
-    back to 347.6 MiB at that shape, 327.0 -> 342.1 MiB at 16 x 4 x 256 tokens (`tune_runtime`
-    keeps the arena between steps, so it is not faulted in afresh).
+    Cheaper on XLA:CPU than saving z, or s with an exp per logit in the backward; the price is a
+    second logits-sized buffer (measurements: docs/cpu.md).
     """
     loss, (t, e, se) = ops.capped_cross_entropy_terms(z, labels, cap)
     return loss, (t, e, se, labels)
@@ -204,10 +169,7 @@ def _capped_ce_fwd(z, labels, cap):
 def _capped_ce_bwd(cap, res, g):
     """dz = g·(softmax - onehot)·(1 - tanh²) in one pass over what the forward kept.
 
-    Autodiff of the composition (optax's cross-entropy on cap·tanh(z/cap)) wrote five
-    logits-sized arrays per step (tanh, exp, its product with the row's gradient, a scatter of the
-    labels' -1 into a copy, the tanh derivative); this writes one. The LM head's forward+backward
-    at config A's 2,048 x 4,096 logits (2-core AMD EPYC, interleaved): 60.5 -> 55.7 ms.
+    Autodiff of the composition wrote five logits-sized arrays per step; this writes one (docs/cpu.md).
     """
     t, e, se, labels = res
     p = e * (1.0 / se)[..., None]  # the softmax
@@ -258,33 +220,21 @@ _remat.defvjp(_remat_fwd, _remat_bwd)
 
 # --- the accumulation ----------------------------------------------------------------------------
 
-# Two micro-batches in one loop body of the accumulation scan are two independent forward+backward
-# chains, and XLA:CPU runs independent kernels side by side: where one chain's small memory-bound
-# kernels leave a core idle, the other's work fills it. On a 2-core Intel Xeon (AMX), config A's
-# step at 16K tokens (16 micro-batches of 4 rows) took 1,995-2,047 ms against 2,127-2,199 one at a
-# time (four interleaved rounds); config B at 16K moved within the noise. On a 2-core AMD EPYC (Zen
-# 4), paired in one process: config A at 16K 2,955 -> 2,798 ms (median of 10 rounds' differences
-# -4.4%), config B at 16K (16 x 2 rows) 16,510 -> 15,862 ms (-3.6%, faster in all 5 rounds).
-# (On TPU and GPU memory is what binds, and two micro-batches' activations at once would double it.)
+# Two micro-batches per loop body of the accumulation scan: XLA:CPU runs the two independent chains
+# side by side, one filling the core the other leaves idle (3.6-4.4% faster; docs/cpu.md).
 SIDE_BY_SIDE = 2
 
 
 def halves_a_lone_micro_batch(cpuinfo: str | None = None) -> bool:
     """Whether a step of one micro-batch runs it as two halves side by side: on AMD CPUs.
 
-    The halves' sums are the whole's, added in another order. On a 2-core AMD EPYC (Zen 4), paired
-    in one process (30 rounds): the main job's step (8 x 256 tokens) 384.5 -> 378.8 ms, a median
-    difference of -6.8 ms, faster in 86% of rounds (-6.9 ms and 90% in a second run); config B's
-    4 x 512 2,829 -> 2,774 ms (-31 ms, all 10 rounds). On a 2-core Intel Xeon (AMX) the split
-    gained nothing (320 / 321 / 323 / 312 against 316 / 315 / 312 / 318 ms), so Intel keeps a lone
-    micro-batch whole. `cpuinfo`: /proc/cpuinfo's text, for tests."""
+    The halves' sums are the whole's, added in another order; faster on AMD, not on Intel (docs/cpu.md).
+    `cpuinfo`: /proc/cpuinfo's text, for tests."""
     return read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD"
 
 
-# Between two processes joined over gloo on a 2-core Intel Xeon, config A's 35 gradients (29.4 MB)
-# took 137-142 ms to all-reduce as arrays and 39-40 ms as one flat buffer (`python -m
-# bench.cpu.data_parallel`): the record's flat_gradient_reduce. (Elsewhere XLA's all-reduce combiner
-# merges the arrays itself, and a flat copy would hold every gradient twice.)
+# The record's flat_gradient_reduce: gloo all-reduces one flat buffer ~3.5x faster than the arrays
+# one by one (docs/cpu.md).
 
 
 # --- the machine ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxchat.kernels.cpu import stored_transpose
+from flaxchat.kernels.cpu_layout import stored_transpose
 
 # Flash attention written for XLA:CPU: a loop over query blocks, and inside it a loop over only the
 # key blocks that block can see (causal triangle, sliding window), with an online softmax. Real

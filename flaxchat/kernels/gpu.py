@@ -9,7 +9,7 @@ import jax
 
 from flaxchat import ops
 from flaxchat.kernels.fused_loss import softcap_loss_sum
-from flaxchat.kernels.tpu import remat_block
+from flaxchat.kernels.remat import remat_block
 
 DEFAULT_ATTENTION = "cudnn"
 _announced: set = set()
@@ -17,8 +17,8 @@ _announced: set = set()
 
 def kernels(attention_name: str, attention, grad_checkpoint: bool):
     """The GPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
-    from flaxchat.kernels import Kernels
-    from flaxchat.optim import polar_express
+    from flaxchat.kernels.record import Kernels
+    from flaxchat.ops import polar_express
     return Kernels(backend="gpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
                    polar_express=polar_express, ns_dtype="bfloat16", muon_batched=True,

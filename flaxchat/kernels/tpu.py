@@ -12,40 +12,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from flaxchat import ops
 from flaxchat.kernels.fused_loss import softcap_loss_sum
+from flaxchat.kernels.remat import REMAT_POLICIES, remat_block, remat_blocks  # noqa: F401 (bench/device_check.py)
 
 DEFAULT_ATTENTION = "splash"
 
 
 def kernels(attention_name: str, attention, grad_checkpoint: bool):
     """The TPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
-    from flaxchat.kernels import Kernels
-    from flaxchat.optim import polar_express
+    from flaxchat.kernels.record import Kernels
+    from flaxchat.ops import polar_express
     return Kernels(backend="tpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
                    polar_express=polar_express, ns_dtype="bfloat16", muon_batched=True,
                    remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
 
 
-def _call_block(block, x, idx, rope, window, kernels):
-    return block(x, idx, rope, window, kernels)
-
-
-# What a block keeps for the backward pass under --grad-checkpoint (TPU and GPU); the rest is
-# recomputed. "full": only the block's input; "dots": every matmul's output (the elementwise
-# work and attention are recomputed); "attention": only attention's output (named in gpt.Attention),
-# so the backward recomputes the projections and the MLP but never the attention kernel.
-REMAT_POLICIES = {
-    "full": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "attention": jax.checkpoint_policies.save_only_these_names("attention"),
-}
-remat_blocks = {name: nnx.remat(_call_block, static_argnums=(4, 5), policy=policy)
-                for name, policy in REMAT_POLICIES.items()}
-remat_block = remat_blocks["full"]
 
 
 # --- splash (TPU; Pallas interpret mode elsewhere) -----------------------------------------------

@@ -3,7 +3,7 @@
 Imports are lazy so that `from flaxchat.remote import KaggleRunner` does not pull in JAX.
 """
 
-from flaxchat.remote.base import (
+from flaxchat.runner.base import (
     RemoteConnectionError,
     RemoteError,
     RemoteRunner,

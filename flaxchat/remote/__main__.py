@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from flaxchat.errors import UserError, cli_main
-from flaxchat.remote.base import RemoteError, RunResult
+from flaxchat.runner.base import RemoteError, RunResult
 
 
 class RemoteFailed(RemoteError):

@@ -9,7 +9,7 @@ The messages alone are not enough on a shared kernel (a Kaggle notebook has its 
 - with another client connected the server keeps no replay buffer for a dropped socket, so output
   sent while we were away is gone, and so is the shell reply;
 - the server's IOPub data-rate limit (1 MB/s) drops a big print, leaving one stderr notice.
-So each cell of ours starts with one line that calls a helper installed in the kernel (`_HELPER`,
+So each cell of ours starts with one line that calls a helper installed in the kernel (`on_kernel.install_helper`,
 sent silently just before): it tees the cell's stdout/stderr into files on the server and writes
 the outcome (ok or the error) to `<id>.json` when the cell ends. Whenever the messages may have
 missed something, the result is rebuilt from those files through the REST API; when they cannot be
@@ -27,106 +27,21 @@ import re
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Callable
 
-from flaxchat.remote.base import OutputCallback, RemoteConnectionError, RemoteError, RunResult
+from flaxchat.runner.base import OutputCallback, RemoteConnectionError, RemoteError, RunResult
+from flaxchat.remote import on_kernel
 from flaxchat.remote.jupyter import (KernelConnection, KernelGone, JupyterREST, _ConnectionLost, new_message)
-
-# A display_data bundle with this type carries a value back to the runner (see kaggle.py): not
+# A display_data bundle of RESULT_MIME carries a value back to the runner (see kaggle.py): not
 # the execute_result, because IPython's displayhook of a store_history=False cell tokenizes the
 # last *stored* cell and fails when that one had a syntax error.
-RESULT_MIME = "text/x-flaxchat-result"
-CANCELLED_MIME = "text/x-flaxchat-cancelled"  # what a cell cancelled in the queue shows instead of running
+from flaxchat.remote.on_kernel import CANCELLED_MIME, MODULE, RESULT_MIME
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RATE_NOTICE = ("IOPub data rate exceeded", "IOPub message rate exceeded")
 _GONE_STATES = ("restarting", "dead", "autorestarting", "starting")
 
-_HELPER = r'''
-def _flaxchat_helper(marker, nonce, rel):
-    import builtins, json, os, sys, time
-    CANCELLED_MIME = "text/x-flaxchat-cancelled"
-    root = getattr(builtins, "_flaxchat_root", None)
-    if root is None:  # the server's root folder as the kernel sees it: where the runner put `marker`
-        d = os.getcwd()
-        for _ in range(32):
-            try:
-                with open(os.path.join(d, marker)) as f:
-                    if f.read().strip() == nonce:
-                        root = d
-                        break
-            except OSError:
-                pass
-            if os.path.dirname(d) == d:
-                return
-            d = os.path.dirname(d)
-        if root is None:
-            return
-        builtins._flaxchat_root = root
-    if getattr(builtins, "_flaxchat_begin", None) is not None:
-        return
-    folder = os.path.join(root, rel)
-    os.makedirs(folder, exist_ok=True)
-    ip = get_ipython()
-
-    def cancel_if_asked(lines):
-        # A request that timed out in the queue: its cell becomes `pass` (an exception would make the
-        # kernel abort the requests queued after it, the notebook's included).
-        # IPython may transform one cell more than once: remember the verdict.
-        head = lines[0] if lines else ""
-        if head.startswith("__import__('builtins').__dict__.get('_flaxchat_begin'"):
-            rid = head.split("(", 3)[-1][1:33]
-            if rid in cancelled or os.path.exists(os.path.join(folder, rid + ".cancel")):
-                cancelled.add(rid)
-                return [f"__import__('IPython.display').display.display({{{CANCELLED_MIME!r}: {rid!r}}}, raw=True)\n"]
-        return lines
-    cancelled = set()
-    ip.input_transformers_post.append(cancel_if_asked)
-
-    def begin(rid, env_rel=""):
-        if env_rel:  # variables for this kernel, sent as a file (never as code other clients receive)
-            with open(os.path.join(root, env_rel)) as f:
-                os.environ.update(json.load(f))
-            os.remove(os.path.join(root, env_rel))
-        now = time.time()
-        for name in os.listdir(folder):  # older requests' files
-            try:
-                if now - os.path.getmtime(os.path.join(folder, name)) > 6 * 3600:
-                    os.remove(os.path.join(folder, name))
-            except OSError:
-                pass
-        streams = [(n, getattr(sys, n)) for n in ("stdout", "stderr")]
-        files = {n: open(os.path.join(folder, f"{rid}.{n}"), "w", encoding="utf-8", errors="replace")
-                 for n, _ in streams}
-        for n, stream in streams:
-            def write(text, _orig=stream.write, _f=files[n]):
-                try:
-                    _f.write(text)
-                    _f.flush()
-                except Exception:
-                    pass
-                return _orig(text)
-            stream.write = write
-
-        def end(result):
-            ip.events.unregister("post_run_cell", end)
-            for n, stream in streams:
-                stream.__dict__.pop("write", None)
-                files[n].close()
-            err = result.error_in_exec if result.error_in_exec is not None else result.error_before_exec
-            value = None
-            if result.result is not None:
-                try:
-                    value = ip.display_formatter.format(result.result)[0].get("text/plain")
-                except Exception:
-                    value = repr(result.result)
-            out = {"status": "ok" if err is None else "error", "ename": None if err is None else type(err).__name__,
-                   "evalue": None if err is None else str(err), "result": value, "pid": os.getpid()}
-            with open(os.path.join(folder, rid + ".json.tmp"), "w") as f:
-                json.dump(out, f)
-            os.replace(os.path.join(folder, rid + ".json.tmp"), os.path.join(folder, rid + ".json"))
-        ip.events.register("post_run_cell", end)
-    builtins._flaxchat_begin = begin
-'''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +57,25 @@ class CellFiles:
         return f"{self.folder}/{rid}.{kind}"
 
 
+def kernel_module_code() -> str:
+    """A cell's lines that make flaxchat/remote/on_kernel.py the module `flaxchat_on_kernel` in the
+    kernel (its source travels in the cell: it also finds where uploads land, so it comes first)."""
+    source = Path(on_kernel.__file__).read_text(encoding="utf-8")
+    return (f"__import__('sys').modules[{MODULE!r}] = __import__('types').ModuleType({MODULE!r})\n"
+            f"exec(compile({source!r}, {MODULE + '.py'!r}, 'exec'), __import__('sys').modules[{MODULE!r}].__dict__)\n")
+
+
+def kernel_call(function: str, params: dict) -> str:
+    """A cell that runs `on_kernel.<function>(params)` and displays its JSON value as RESULT_MIME."""
+    value = (f"__import__('json').dumps(__import__('sys').modules[{MODULE!r}].{function}"
+             f"(__import__('json').loads({json.dumps(json.dumps(params))})))")
+    return kernel_module_code() + f"__import__('IPython.display').display.display({{{RESULT_MIME!r}: {value}}}, raw=True)"
+
+
 def helper_code(files: CellFiles) -> str:
-    return _HELPER + f"\n_flaxchat_helper({files.marker!r}, {files.nonce!r}, {files.folder!r})\ndel _flaxchat_helper\n"
+    """The silent cell that installs the tee-and-outcome helper (`on_kernel.install_helper`)."""
+    return kernel_module_code() + (f"__import__('sys').modules[{MODULE!r}].install_helper("
+                                   f"{files.marker!r}, {files.nonce!r}, {files.folder!r})\n")
 
 
 def print_output(stream: str, text: str) -> None:

@@ -30,7 +30,7 @@ import requests
 import websocket
 
 from flaxchat.errors import UserError
-from flaxchat.remote.base import RemoteConnectionError, RemoteError
+from flaxchat.runner.base import RemoteConnectionError, RemoteError
 
 V1_PROTOCOL = "v1.kernel.websocket.jupyter.org"
 MSG_SPEC_VERSION = "5.3"

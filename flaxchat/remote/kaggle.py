@@ -16,7 +16,7 @@
 Any Jupyter server works (the tests use a local one, with a second client playing the notebook's
 tab). The kernel is shared with that tab, so the runner uses it as little as possible: to install,
 to probe the devices, to start a job and to run your code. A job runs under the pods' supervisor
-(`flaxchat/cloud/worker.py`, run by path) with a watcher next to it (`kernel_side.py`); its log, exit
+(`flaxchat/runner/worker.py`, run by path) with a watcher next to it (`kernel_side.py`); its log, exit
 code and progress are followed, and a stop is requested, through the server's file API, so a busy
 notebook cell never delays them and is never interrupted by them. Files live under `flaxchat_remote/`
 in the server's root folder (`/kaggle/working` on Kaggle): `src/` (the uploaded repo), `setup.json`,
@@ -44,138 +44,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from flaxchat import uploads
-from flaxchat.cloud import worker as worker_module
-from flaxchat.errors import UserError, cli_main
+from flaxchat.runner import worker as worker_module
+from flaxchat.errors import UserError
 from flaxchat.remote import kernel_side
-from flaxchat.remote.base import OutputCallback, RemoteError, RemoteRunner, RunResult, RunStatus
-from flaxchat.remote.cells import RESULT_MIME, CellFiles, Follow, execute, print_output, reattach
+from flaxchat.runner.base import OutputCallback, RemoteError, RemoteRunner, RunResult, RunStatus
+from flaxchat.remote.cells import CellFiles, Follow, execute, kernel_call, print_output, reattach
 from flaxchat.remote.jupyter import JupyterREST, KernelConnection, parse_server_url
 from flaxchat.remote.kaggle_jobs import Job, JobFollower
 
 TOKEN_ENV = "KAGGLE_JUPYTER_TOKEN"
-
-# --------------------------------------------------------------------------------------------
-# Kernel-side snippets: each is a function `_flaxchat_main(params)` whose JSON return value comes
-# back in a display_data bundle of its own type, so the runner never parses printed text.
-
-_K_FIND_ROOT = '''
-def _flaxchat_main(p):
-    import os
-    d = os.getcwd()
-    for _ in range(16):
-        f = os.path.join(d, p["marker"])
-        if os.path.isfile(f) and open(f).read().strip() == p["nonce"]:
-            os.remove(f)
-            return {"root": d}
-        if os.path.dirname(d) == d:
-            break
-        d = os.path.dirname(d)
-    raise RuntimeError(f"the kernel does not see its server's files from its folder {os.getcwd()} (it may run "
-                       "on another machine), so setup() and run_pipeline() cannot work with this kernel")
-'''
-
-# Unpack the upload, then kernel_side.py installs it in a child process (its output streamed here);
-# the running kernel is pointed at the new source too, so `import flaxchat` works in it at once.
-_K_SETUP = '''
-def _flaxchat_main(p):
-    import hashlib, importlib, json, os, subprocess, sys, tarfile
-    tar, src = os.path.join(p["root"], p["tar"]), os.path.join(p["root"], p["src"])
-    with open(tar, "rb") as f:
-        if hashlib.sha256(f.read()).hexdigest() != p["sha256"]:
-            raise RuntimeError("the uploaded archive arrived damaged (checksum mismatch); run setup() again")
-    os.makedirs(src, exist_ok=True)
-    with tarfile.open(tar) as t:
-        t.extractall(src, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    os.remove(tar)
-    report = os.path.join(p["root"], p["report"])
-    cmd = [sys.executable, os.path.join(p["root"], p["kernel_side"]), "install", "--src", src, "--report", report,
-           "--offline", p["offline"], "--mode", p["install"], *([] if p["deps"] else ["--no-deps"]), "--", *p["pip_args"]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-    if proc.wait() != 0:
-        raise RuntimeError(f"the install failed with exit code {proc.returncode} (its output is above)")
-    with open(report) as f:
-        info = json.load(f)
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    for name in [m for m in sys.modules if m == "flaxchat" or m.startswith("flaxchat.")]:
-        del sys.modules[name]
-    importlib.invalidate_caches()
-    marker = dict(p["want"], src=src, python=sys.executable)
-    with open(os.path.join(p["root"], p["marker"]) + ".tmp", "w") as f:
-        json.dump(marker, f)
-    os.replace(os.path.join(p["root"], p["marker"]) + ".tmp", os.path.join(p["root"], p["marker"]))
-    return dict(info, src=src)
-'''
-
-_K_IMPORT_CHECK = '''
-def _flaxchat_main(p):
-    import os, subprocess, sys, tempfile
-    if not os.path.isdir(p["src"]):
-        return {"ok": False}
-    code = "import os, flaxchat; print(os.path.realpath(flaxchat.__file__))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=tempfile.gettempdir())
-    ok = r.returncode == 0 and r.stdout.strip().startswith(os.path.realpath(p["src"]))
-    if ok and p["src"] not in sys.path:
-        sys.path.insert(0, p["src"])
-    return {"ok": ok}
-'''
-
-# JAX runs in a child process: imported in the kernel itself it would keep the accelerator (and
-# 75% of GPU memory) for the kernel's lifetime, and the training process could not get it.
-_K_PROBE = '''
-def _flaxchat_main(p):
-    import json, subprocess, sys
-    code = ("import json, jax; d = jax.devices(); print(json.dumps({'backend': jax.default_backend(), "
-            "'device_count': jax.device_count(), 'process_count': jax.process_count(), "
-            "'device_kind': d[0].device_kind}))")
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=p["probe_timeout"])
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the JAX probe did not finish within {p['probe_timeout']} s") from None
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the JAX probe failed ({last}); is JAX installed there (runner.setup(), or --setup)?")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-'''
-
-# Start a job: kernel_side.py launches it under worker.py (in a session of its own) and a watcher.
-_K_LAUNCH = '''
-def _flaxchat_main(p):
-    import json, os, subprocess, sys
-    if p["need_src"] and not os.path.isdir(p["cwd"]):
-        raise RuntimeError("flaxchat is not set up on this kernel; run runner.setup() (or --setup) first")
-    cwd = p["cwd"] if os.path.isdir(p["cwd"]) else p["root"]
-    cmd = [sys.executable, p["kernel_side"], "launch", "--worker", p["worker"], "--state-dir", p["state"],
-           "--run-id", p["name"], "--cwd", cwd, "--env-upload", p["env_upload"], "--previous", p["previous"],
-           "--", *p["argv"]]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("FLAXCHAT ")]
-    if not lines:
-        raise RuntimeError("the job did not start: " + (r.stderr.strip().splitlines() or ["no output"])[-1])
-    out = json.loads(lines[-1][len("FLAXCHAT "):])
-    if not out.get("started"):
-        raise RuntimeError(out.get("error") or "the job did not start")
-    return out
-'''
-
-# Is the supervisor still there? Only asked when a job has been silent for long (see wait()).
-_K_JOB_ALIVE = '''
-def _flaxchat_main(p):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("flaxchat_worker", p["worker"])
-    w = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(w)
-    return {"alive": w.status(p["state"])["alive"]}
-'''
-
-
-def _kernel_code(snippet: str, params: Mapping[str, Any]) -> str:
-    value = f"__import__('json').dumps(_flaxchat_main(__import__('json').loads({json.dumps(json.dumps(params))})))"
-    return snippet + f"\n__import__('IPython.display').display.display({{{RESULT_MIME!r}: {value}}}, raw=True)"
-
 
 # --------------------------------------------------------------------------------------------
 # Pure helpers: what to upload, what to run
@@ -355,11 +232,12 @@ class KaggleRunner(RemoteRunner):
             self.last_result = res
         return res
 
-    def _call(self, snippet: str, what: str, *, timeout: float, on_output: OutputCallback = _discard,
+    def _call(self, function: str, what: str, *, timeout: float, on_output: OutputCallback = _discard,
               interrupt_on_timeout: bool = True, **params) -> Any:
-        """Run a kernel-side snippet and return its JSON result; a failure is one RemoteError sentence."""
+        """Run `flaxchat.remote.on_kernel.<function>(params)` on the kernel and return its JSON result; a
+        failure is one RemoteError sentence."""
         with self._lock:
-            res = execute(self._connect(), self.rest, _kernel_code(snippet, params), timeout=timeout,
+            res = execute(self._connect(), self.rest, kernel_call(function, params), timeout=timeout,
                           on_output=on_output, interrupt_on_timeout=interrupt_on_timeout, store_history=False,
                           echo_result=False, follow=self.follow)
         if not res.ok:
@@ -371,7 +249,7 @@ class KaggleRunner(RemoteRunner):
             nonce = uuid.uuid4().hex
             marker = f"{self.workdir}/where-{nonce}.txt"
             self.rest.upload(marker, nonce.encode())
-            self._root = self._call(_K_FIND_ROOT, "finding the server's folder", timeout=60, marker=marker,
+            self._root = self._call("find_root", "finding the server's folder", timeout=60, marker=marker,
                                     nonce=nonce)["root"]
         return self._root
 
@@ -417,14 +295,14 @@ class KaggleRunner(RemoteRunner):
         marker_rel = f"{self.workdir}/setup.json"
         marker = _json_or_none(self.rest.read_bytes(marker_rel))
         if marker and all(marker.get(k) == v for k, v in want.items()) and \
-                self._call(_K_IMPORT_CHECK, "checking the installed flaxchat", timeout=180, src=marker["src"])["ok"]:
+                self._call("import_check", "checking the installed flaxchat", timeout=180, src=marker["src"])["ok"]:
             out("stdout", "[flaxchat] setup: up to date\n")
             return {"changed": False, **base, "src": marker["src"]}
         root = self._kernel_root()
         bins = self._send_bin()
         tar_rel = f"{self.workdir}/upload-{digest[:12]}.tar.gz"
         self.rest.upload(tar_rel, data, chunk_size=chunk_size)
-        info = self._call(_K_SETUP, "setup", timeout=timeout, on_output=out, root=root, tar=tar_rel,
+        info = self._call("setup", "setup", timeout=timeout, on_output=out, root=root, tar=tar_rel,
                           sha256=hashlib.sha256(data).hexdigest(), src=f"{self.workdir}/src", install=install,
                           deps=deps, pip_args=[*([] if verbose else ["-q"]), *pip_args], marker=marker_rel,
                           want=want, offline=offline, kernel_side=bins["kernel_side"],
@@ -437,7 +315,7 @@ class KaggleRunner(RemoteRunner):
 
     def check_devices(self, timeout: float = 300) -> dict[str, Any]:
         """What JAX sees on the kernel's machine, probed in a child process."""
-        return self._call(_K_PROBE, "the device check", timeout=timeout + 30, probe_timeout=timeout)
+        return self._call("probe", "the device check", timeout=timeout + 30, probe_timeout=timeout)
 
     def _latest_job(self) -> Job | None:
         info = _json_or_none(self.rest.read_bytes(f"{self.workdir}/runs/latest.json"))
@@ -486,7 +364,7 @@ class KaggleRunner(RemoteRunner):
             if self.rest.kernel(self.kernel_id).get("execution_state") != "idle":
                 return None
             bins = self._send_bin()
-            return self._call(_K_JOB_ALIVE, "checking the job", timeout=30, interrupt_on_timeout=False,
+            return self._call("job_alive", "checking the job", timeout=30, interrupt_on_timeout=False,
                               worker=f"{self._kernel_root()}/{bins['worker']}",
                               state=f"{self._kernel_root()}/{job.state}")["alive"]
         except RemoteError:
@@ -587,7 +465,7 @@ class KaggleRunner(RemoteRunner):
         env_rel = f"{self.workdir}/tmp/env-{uuid.uuid4().hex}.json"
         self.rest.upload(env_rel, json.dumps({"env": variables, "secret_keys": sorted(secrets or {})}).encode())
         t0 = time.monotonic()
-        info = self._call(_K_LAUNCH, "starting the job", timeout=120, root=root, name=name, argv=argv,
+        info = self._call("launch", "starting the job", timeout=120, root=root, name=name, argv=argv,
                           state=f"{root}/{job.state}", cwd=f"{root}/{self.workdir}/src", need_src=command is None,
                           worker=f"{root}/{bins['worker']}", kernel_side=f"{root}/{bins['kernel_side']}",
                           env_upload=f"{root}/{env_rel}", previous=f"{root}/{latest.state}" if latest else "")
@@ -685,6 +563,6 @@ def _json_or_none(data: bytes | None) -> Any:
         return None
 
 
-if __name__ == "__main__":  # python -m flaxchat.remote.kaggle URL ...; the CLI lives in flaxchat/remote/__main__.py
-    from flaxchat.remote.__main__ import main
-    sys.exit(cli_main(main))
+if __name__ == "__main__":  # python -m flaxchat.remote.kaggle URL ...: the CLI is flaxchat/remote/__main__.py
+    import runpy
+    runpy.run_module("flaxchat.remote", run_name="__main__", alter_sys=True)

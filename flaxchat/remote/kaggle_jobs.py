@@ -1,6 +1,6 @@
 """Following a KaggleRunner job through the Jupyter server's file API, never through the kernel.
 
-The job runs under `flaxchat/cloud/worker.py` with its state folder `runs/<name>/job/` inside the
+The job runs under `flaxchat/runner/worker.py` with its state folder `runs/<name>/job/` inside the
 server's root: `output.log` (redacted), `exit_code` (JSON, written when the command ends),
 `run.json`, `heartbeat`, and the progress file the training writes (FLAXCHAT_PROGRESS_FILE). The
 kernel may be busy with the notebook's own cell for hours; none of this waits for it.
@@ -12,7 +12,7 @@ import dataclasses
 import json
 import time
 
-from flaxchat.remote.base import OutputCallback, RemoteError, RemoteTimeout, RunResult, RunStatus
+from flaxchat.runner.base import OutputCallback, RemoteError, RemoteTimeout, RunResult, RunStatus
 from flaxchat.remote.jupyter import JupyterREST
 
 

@@ -14,7 +14,7 @@ itself goes in with --no-deps, and only its other dependencies that are not sati
 installed, under the constraints. Without Internet (the notebook's setting is off) nothing can be
 downloaded: the install runs with --no-index and the report names what is missing.
 
-`launch` starts the job under `flaxchat/cloud/worker.py` (the pods' supervisor: pid, exit code,
+`launch` starts the job under `flaxchat/runner/worker.py` (the pods' supervisor: pid, exit code,
 redacted log) and a watcher next to it; the runner follows the job through the server's file API
 and stops it by writing `stop_request` into its state folder, which the watcher acts on, so neither
 needs the kernel (which may be busy with the notebook's own cell).

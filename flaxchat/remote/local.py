@@ -1,6 +1,6 @@
 """LocalRunner: the RemoteRunner verbs on this machine, with the work in a detached process.
 
-The same wrapper that runs on every TPU worker (`flaxchat/cloud/worker.py`) starts the command in
+The same wrapper that runs on every TPU worker (`flaxchat/runner/worker.py`) starts the command in
 its own session, so it outlives this Python process (close the notebook, the training goes on);
 `status()`, `wait()` and `stop()` find it again through its state folder:
 
@@ -19,9 +19,9 @@ import time
 import uuid
 from typing import Any, Mapping
 
-from flaxchat.cloud import worker
+from flaxchat.runner import worker
 from flaxchat.errors import UserError
-from flaxchat.remote.base import OutputCallback, RemoteError, RemoteRunner, RemoteTimeout, RunResult, RunStatus
+from flaxchat.runner.base import OutputCallback, RemoteError, RemoteRunner, RemoteTimeout, RunResult, RunStatus
 
 _PROBE = ("import json, jax; print(json.dumps({'backend': jax.default_backend(), "
           "'device_count': jax.device_count(), 'process_count': jax.process_count()}))")

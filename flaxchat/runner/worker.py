@@ -1,13 +1,13 @@
 """What runs on each worker: start a command detached, and answer status / logs / stop for it.
 
-    python3 flaxchat/cloud/worker.py start --run-id ID --env-file F --cwd DIR [--venv V] [--replace] -- CMD
-    python3 flaxchat/cloud/worker.py status [--marker PATH]      # one JSON line
-    python3 flaxchat/cloud/worker.py logs [--follow] [--prefix] [--lines N]
-    python3 flaxchat/cloud/worker.py stop
-    python3 flaxchat/cloud/worker.py dump                        # every thread's Python stack: hang-<time>.txt
-    python3 flaxchat/cloud/worker.py probe --env-file F --cwd DIR   # JAX devices, one JSON line
-    python3 flaxchat/cloud/worker.py checkpoints --dir D --cwd DIR  # complete / partial Orbax steps
-    VENV/bin/python flaxchat/cloud/worker.py versions             # Python, jax, flaxchat of that venv
+    python3 flaxchat/runner/worker.py start --run-id ID --env-file F --cwd DIR [--venv V] [--replace] -- CMD
+    python3 flaxchat/runner/worker.py status [--marker PATH]      # one JSON line
+    python3 flaxchat/runner/worker.py logs [--follow] [--prefix] [--lines N]
+    python3 flaxchat/runner/worker.py stop
+    python3 flaxchat/runner/worker.py dump                        # every thread's Python stack: hang-<time>.txt
+    python3 flaxchat/runner/worker.py probe --env-file F --cwd DIR   # JAX devices, one JSON line
+    python3 flaxchat/runner/worker.py checkpoints --dir D --cwd DIR  # complete / partial Orbax steps
+    VENV/bin/python flaxchat/runner/worker.py versions             # Python, jax, flaxchat of that venv
 
 Standard library only and run by path with the image's own python3 (3.10 on Google's TPU images),
 so it works on a fresh VM before anything is installed. `start` hands the command to a supervisor in
