@@ -259,7 +259,8 @@ STALLED = textwrap.dedent("""
 
 
 def _worker(*args, state) -> dict:
-    from flaxchat.cloud import gcloud as g, worker
+    from flaxchat.cloud import gcloud as g
+    from flaxchat.runner import worker
     out = subprocess.run([sys.executable, worker.__file__, args[0], "--state-dir", str(state), *args[1:]], env=_env(),
                          capture_output=True, text=True, timeout=60)
     return g.parse_worker_lines(out.stdout)[0]
