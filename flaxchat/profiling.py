@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import tempfile
 from typing import Any, Callable
 
@@ -90,7 +91,9 @@ class StepProfiler:
         self.window = parse_steps(spec)
         self.folder = folder if processes == 1 else paths.join(folder, f"process-{process}")
         self.log, self.is_main, self.tracing = log, is_main, False
-        self._local = tempfile.mkdtemp(prefix="flaxchat-profile-") if paths.is_remote(folder) else self.folder
+        # A trace is written locally and uploaded to a gs:// run folder; no local folder without a window.
+        remote = self.window is not None and paths.is_remote(folder)
+        self._local = tempfile.mkdtemp(prefix="flaxchat-profile-") if remote else self.folder
         self.at(start_step)
 
     def at(self, step: int, result: Any = None) -> None:
@@ -123,6 +126,8 @@ class StepProfiler:
                      "(TensorBoard's profile tab, or ui.perfetto.dev on its .trace.json.gz)")
             for line in top_lines(prof, indent=2):
                 self.log(line)
+        if self._local != self.folder:
+            shutil.rmtree(self._local, ignore_errors=True)  # uploaded: nothing stays outside the run folder
 
     def close(self, result: Any = None) -> None:
         """Stop a trace still running (the run ended inside the window)."""
