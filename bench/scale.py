@@ -213,20 +213,23 @@ def build(cfg, dtype, mesh, abstract: bool, kernels=None, ns_dtype: str = "float
 
     from flaxchat import sharding
     from flaxchat.gpt import GPT
-    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.optim import OptimConfig, Schedule, make_optimizer
 
-    tx = build_optimizer(OptimConfig(n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000), kernels)
+    opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=ns_dtype)
+
+    def optimizer(model):  # pretraining's: the schedule's horizon an input of the step
+        return make_optimizer(model, opt_cfg, Schedule(1000), kernels)
 
     def make():
         model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return model, optimizer(model)
 
     if abstract:
         model, opt = nnx.eval_shape(make)
         sharding.shard_abstract(model, opt, mesh)
         return model, opt
     return sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels),
-                                   lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), mesh)
+                                   optimizer, mesh)
 
 
 def pure_step(graphdef):
