@@ -449,6 +449,7 @@ class Checkpointer:
                     if step is not None:
                         raise
                     failed[at] = f"it does not restore: {str(e).partition('(')[2].rpartition(')')[0]}"
+                    self.reload()  # a live run may have saved newer steps (and be deleting this one) meanwhile
                 elif step is not None:
                     raise UserError(f"step {step} was deleted from {self.directory} while it was read (the run "
                                     "that writes it keeps only its newest steps); pass a newer --step.") from None

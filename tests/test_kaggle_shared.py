@@ -41,9 +41,22 @@ HELD_CELL = ("import os, time\nfor i in range({n}):\n    print('tab', i, flush=T
              "    time.sleep(0.05)\n'tab done'")
 
 
+_HELD: list[Path] = []  # release files of cells still held: a failed test releases them (next fixture)
+
+
+@pytest.fixture(autouse=True)
+def _release_held_cells():
+    """A test that fails while the tab's cell is held would leave the shared kernel busy for the
+    cell's whole length, and the next tests would time out behind it."""
+    yield
+    while _HELD:
+        _HELD.pop().touch()
+
+
 def held(tab, tmp_path, n, name):
     """Start HELD_CELL in the tab and wait until it runs; returns (its msg id, the release file)."""
     release = tmp_path / f"release-{name}"
+    _HELD.append(release)
     cell = tab.execute(HELD_CELL.format(n=n, release=str(release)))
     until(lambda: "tab 0" in tab.outputs(cell), 30, "the tab's cell to start")
     return cell, release

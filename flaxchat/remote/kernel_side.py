@@ -243,13 +243,16 @@ def launch(worker_path: str, state_dir: str, run_id: str, cwd: str, argv: list[s
 
 
 def watch(worker_path: str, state_dir: str, poll: float = 0.25) -> int:
-    """Until the job has an exit code: when `stop_request` appears, stop the job (its process group)."""
+    """Until the job has an exit code: when `stop_request` appears, stop the job (its process group).
+    The request file stays (launch() removes it): the Jupyter server reads a file back after its PUT,
+    and a request deleted in between made that PUT answer 404 although it was delivered."""
     worker = _load(worker_path)
     request, done = os.path.join(state_dir, "stop_request"), os.path.join(state_dir, "exit_code")
+    stopped = False
     while not os.path.exists(done):
-        if os.path.exists(request):
+        if not stopped and os.path.exists(request):
             worker.stop(state_dir)
-            os.remove(request)
+            stopped = True
         elif not worker.status(state_dir)["alive"]:  # the supervisor itself is gone (killed)
             return 1
         time.sleep(poll)
