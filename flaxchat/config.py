@@ -1,4 +1,4 @@
-"""Configuration: frozen dataclasses are the source of truth, CLI flags are derived from them.
+"""Configuration: frozen dataclasses are the source of truth, CLI flags and their --help are derived from them.
 
 One dial, `--depth`, sets the model's shape, its learning rates and its training horizon, as in
 nanochat: width = depth x 64 (aspect ratio 64), heads of 128 channels (64 or 32 for tiny models),
@@ -27,6 +27,14 @@ LR = dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5,
 # listed here so that checking flags imports no JAX.
 ATTENTION_NAMES = ("auto", "blockwise", "cudnn", "splash", "xla")
 NS_DTYPES = ("auto", "float32", "bfloat16", "bf16-products", "bf16-operands")  # flaxchat.optim's Polar Express dtypes
+
+
+def flag(default: Any, help: str) -> Any:
+    """A config field that carries its --help text: `depth: int = flag(4, "the one dial: ...")`. A
+    subclass rewords an inherited flag by redefining it with the parent's default,
+    `steps: int = flag(RunConfig.steps, "optimizer steps")`; one that only changes the default
+    (`run_dir: str = "runs/sft"`) keeps the parent's text (`flag_help`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def check_bookkeeping(keep_checkpoints: int, **every: int) -> None:
@@ -145,22 +153,33 @@ def check_sharding(sharding: str) -> None:
 class RunConfig:
     """What every training stage's run has (pretraining's TrainConfig, SFT's and RL's StageConfig):
     its folder, its length, how often it evaluates, saves and logs, its seed, compute dtype and
-    layout, and whether to start over. Checked once, here, for all of them."""
+    layout, and whether to start over. Checked once, here, for all of them. The help texts are
+    pretraining's where the stages word a flag otherwise (`flaxchat.finetune.StageConfig`)."""
 
-    run_dir: str = "runs/default"
-    steps: int = -1  # -1: the stage derives them (pretraining: --param-data-ratio; SFT: --epochs)
-    dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16
-    sharding: str = "auto"  # dp (replicated params), fsdp (params/grads/optimizer split), auto
-    eval_every: int = 250
-    save_every: int = 250
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    fresh: bool = False  # ignore (but never delete) an existing checkpoint in run_dir; start at step 0
-    preempt_grace: float = 25.0  # seconds from SIGTERM to exit, the save included (clouds kill ~30 s after)
-    tracker: str = "none"  # flaxchat.trackers: wandb, tensorboard, none, or a comma list
-    run_name: str = ""  # the trackers' name of the run (default: the run folder's name)
-    profile_steps: str = ""  # A:B: a jax.profiler trace of steps A..B-1 into <run>/profile (flaxchat.profiling)
+    run_dir: str = flag("runs/default", "folder for checkpoints, report, plot and samples")
+    # -1: the stage derives them (pretraining: --param-data-ratio; SFT: --epochs)
+    steps: int = flag(-1, "optimizer steps; -1 derives them from --param-data-ratio")
+    dtype: str = flag("auto", "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16")
+    sharding: str = flag("auto", "dp (parameters replicated), fsdp (parameters, gradients and optimizer state split), "
+                                 "auto")
+    eval_every: int = flag(250, "steps between validation bpb evaluations, and one at the end (0: none)")
+    save_every: int = flag(250, "steps between checkpoints (0: only the last step, which is always saved)")
+    keep_checkpoints: int = flag(2, "how many checkpoints to keep")
+    log_every: int = flag(10, "steps between progress lines")
+    seed: int = flag(0, "seed of the initialisation and the data order")
+    fresh: bool = flag(False, "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, "
+                              "not deleted)")
+    # 25 s: clouds kill about 30 s after the notice
+    preempt_grace: float = flag(25.0, "seconds from SIGTERM (a preemption notice) to exit: the step in flight "
+                                      "finishes and is saved, exit code 75; a save still going then is given up "
+                                      "(docs/deployment.md)")
+    tracker: str = flag("none", "also log every figure of metrics.jsonl (loss, LR multiplier, tok/s, MFU, "
+                                "validation), sampled text and the resolved config to wandb, tensorboard "
+                                "(<run-dir>/tensorboard), both as a comma list, or none; a resumed run continues "
+                                "the same W&B run (its id is kept in <run-dir>/trackers.json)")  # flaxchat.trackers
+    run_name: str = flag("", "the run's name in the trackers (default: the run folder's name)")
+    profile_steps: str = flag("", "A:B traces steps A to B-1 with jax.profiler into <run-dir>/profile (TensorBoard "
+                                  "or Perfetto) and prints the top device operations, e.g. 10:13")  # flaxchat.profiling
 
     def validate_run(self, **every: int) -> None:
         """The shared flags' checks; `every` adds a stage's own cadences (--sample-every)."""
@@ -182,45 +201,67 @@ class RunConfig:
 class TrainConfig(RunConfig):
     """Everything about a pretraining run except the model shape. Flags: --kebab-case of each field."""
 
-    data: str = "stories"  # 'stories' (built-in), a path/glob of .txt/.jsonl/.parquet, or hf:owner/name
-    text_field: str = "text"  # the .jsonl field / parquet column holding the text
-    depth: int = 4
-    sequence_len: int = 256
-    vocab_size: int = 4096
-    window_pattern: str = "SSSL"
-    param_data_ratio: float = 12.0  # tokens per scaling parameter (block matrices + LM head), nanochat
-    device_batch_size: int = 8  # rows per micro-batch on each device
-    total_batch_size: int = -1  # tokens per optimizer step; -1: nanochat's automatic size for the model
-    optimizer: str = "muon"  # 'muon' (Muon + AdamW groups) or 'adamw'
-    matrix_lr: float = LR["matrix_lr"]
-    embedding_lr: float = LR["embedding_lr"]
-    unembedding_lr: float = LR["unembedding_lr"]
-    scalar_lr: float = LR["scalar_lr"]
-    weight_decay: float = LR["weight_decay"]  # Muon's cautious decay at B_ref and d12; scaled, cosine to 0
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    # every LR x sqrt(B / 2^19) (nanochat): 'auto' applies it with the automatic batch (-1), where the
-    # rule belongs, and with a batch the user gave when the run reads its text often enough to memorise
-    # it (scripts.pretrain.REPEAT_PASSES); below that the rule measured worse at small batches (docs/recipe.md)
-    lr_batch_scaling: str = "auto"
-    warmup_steps: int = 40
-    warmdown_ratio: float = 0.65
-    final_lr_frac: float = 0.05
-    # Muon's Polar Express: auto (the kernels record's: bf16 on TPU/GPU; on a CPU with bf16
-    # dot instructions bf16-operands on AMD and bf16-products on Intel, fp32 on other CPUs), float32,
-    # bfloat16, bf16-products (fp32 iterate and Gram matrix, the other products bf16 into fp32;
-    # rectangular matrices in the Gram form, fp32) or bf16-operands (as bf16-products, with the
-    # products that read the iterate from bf16 too); see docs/cpu.md;
-    # `bench.train_throughput --phases` measures them
-    ns_dtype: str = "auto"
-    eval_tokens: int = 65_536
-    sample_every: int = 500
-    grad_checkpoint: bool = False
-    attention: str = "auto"  # attention kernel: auto (by backend), blockwise, xla, splash, cudnn
-    init_from: str = ""  # model.pkl / weights.npz / run folder to start from (ignored when resuming)
-    tokenizer_dir: str = ""  # default: <run_dir>/tokenizer, trained on --data if absent
-    max_chars_tokenizer: int = 20_000_000
-    num_samples: int = 3
+    data: str = flag("stories", "'stories' (built-in, offline), a path/glob of .txt/.jsonl/.parquet, or "
+                                "hf:owner/dataset")
+    text_field: str = flag("text", "the .jsonl field or parquet column that holds the text (a hub --data sets it with "
+                                   "?field=)")
+    depth: int = flag(4, "the one dial: layers; width = 64 x depth")
+    sequence_len: int = flag(256, "tokens per row (the context the model trains on)")
+    vocab_size: int = flag(4096, "tokenizer vocabulary, trained on --data when --tokenizer-dir has none")
+    window_pattern: str = flag("SSSL", "attention windows tiled over the layers: S = a quarter of the context, L = all "
+                                       "of it (the last layer is always L)")
+    param_data_ratio: float = flag(12.0, "training tokens per scaling parameter (block matrices + LM head) when "
+                                         "--steps is -1")  # nanochat's
+    device_batch_size: int = flag(8, "rows per micro-batch per device")
+    total_batch_size: int = flag(-1, "tokens per optimizer step (gradient accumulation fills it); -1: nanochat's "
+                                     "automatic size, 2^19 x (D/D_ref)^0.383 rounded to a power of two (D: this run's "
+                                     "horizon, D_ref: d12's)")
+    optimizer: str = flag("muon", "muon (Muon for the block matrices + AdamW groups, nanochat's) or adamw (AdamW "
+                                  "everywhere)")
+    matrix_lr: float = flag(LR["matrix_lr"], "Muon LR at 2^19 tokens/step; every LR is scaled by sqrt(B/2^19) "
+                                             "(nanochat; see --lr-batch-scaling)")
+    embedding_lr: float = flag(LR["embedding_lr"], "token-embedding AdamW LR at d_model 768 and 2^19 tokens/step "
+                                                   "(scaled by width and batch)")
+    unembedding_lr: float = flag(LR["unembedding_lr"], "LM-head AdamW LR at d_model 768 and 2^19 tokens/step (scaled "
+                                                       "by width and batch)")
+    scalar_lr: float = flag(LR["scalar_lr"], "per-layer scalar AdamW LR at 2^19 tokens/step (scaled by batch)")
+    weight_decay: float = flag(LR["weight_decay"], "Muon's cautious weight decay at d12 and 2^19 tokens/step; scaled "
+                                                   "by sqrt(B/B_ref) x D_ref/D, cosine to 0")
+    adam_beta1: float = flag(0.8, "AdamW beta1 of the embedding, LM-head and scalar groups")
+    adam_beta2: float = flag(0.95, "AdamW beta2 of the scalar groups")
+    # "2 times or more" is scripts.pretrain.REPEAT_PASSES
+    lr_batch_scaling: str = flag("auto", "scale every LR by sqrt(total batch / 2^19) as nanochat does: on, off, or "
+                                         "auto (on with the automatic --total-batch-size -1, and with a batch you "
+                                         "give when the run reads its training text 2 times or more, where the LRs as "
+                                         "given memorise it; off below that, where the rule's 16-22x smaller LRs at "
+                                         "1-2K-token steps made val bpb worse; docs/recipe.md)")
+    warmup_steps: int = flag(40, "LR warmup steps")
+    warmdown_ratio: float = flag(0.65, "fraction of the steps over which the LR falls linearly to --final-lr-frac")
+    final_lr_frac: float = flag(0.05, "LR at the end of the warmdown, as a fraction of the peak")
+    # auto is the kernels record's choice; `bench.train_throughput --phases` measures them
+    ns_dtype: str = flag("auto", "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU; on a CPU with bf16 "
+                                 "dot instructions bf16-operands on AMD and bf16-products on Intel, fp32 elsewhere), "
+                                 "float32, bfloat16, bf16-products (fp32, with two of its three products from bf16 "
+                                 "operands; rectangular matrices in the fp32 Gram form) or bf16-operands (as "
+                                 "bf16-products, with every product that reads the iterate from bf16 operands); see "
+                                 "docs/cpu.md")
+    eval_tokens: int = flag(65_536, "validation tokens per evaluation")
+    sample_every: int = flag(500, "steps between sampled stories (0: none during training; the end always samples)")
+    grad_checkpoint: bool = flag(False, "recompute each block's activations in the backward (less memory, more "
+                                        "compute)")
+    attention: str = flag("auto", "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, "
+                                  "xla, splash, cudnn")
+    init_from: str = flag("", "start from these weights (model.pkl, weights.npz or a run folder); ignored when "
+                              "resuming")
+    tokenizer_dir: str = flag("", "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if "
+                                  "absent)")
+    max_chars_tokenizer: int = flag(20_000_000, "characters of --data the tokenizer is trained on")
+    num_samples: int = flag(3, "stories sampled at each --sample-every and at the end")
+    # Pretraining's own words for some of every run's flags.
+    tracker: str = flag(RunConfig.tracker, "where the metrics also go: wandb, tensorboard, none, or a comma list "
+                                           "(flaxchat.trackers)")
+    run_name: str = flag(RunConfig.run_name, "the trackers' name of the run (default: the run folder's name)")
+    profile_steps: str = flag(RunConfig.profile_steps, "A:B: a jax.profiler trace of steps A..B-1 into <run>/profile")
 
     def validate(self) -> None:
         if self.optimizer not in ("muon", "adamw"):
@@ -264,17 +305,6 @@ class TrainConfig(RunConfig):
         return dataclasses.asdict(self)
 
 
-# --help of the flags every training stage has (RunConfig's); a stage's own help text overrides them.
-RUN_HELP = {
-    "tracker": "also log every figure of metrics.jsonl (loss, LR multiplier, tok/s, MFU, validation), sampled "
-               "text and the resolved config to wandb, tensorboard (<run-dir>/tensorboard), both as a comma "
-               "list, or none; a resumed run continues the same W&B run (its id is kept in <run-dir>/trackers.json)",
-    "run_name": "the run's name in the trackers (default: the run folder's name)",
-    "profile_steps": "A:B traces steps A to B-1 with jax.profiler into <run-dir>/profile (TensorBoard or Perfetto) "
-                     "and prints the top device operations, e.g. 10:13",
-}
-
-
 # --- dataclass <-> argparse --------------------------------------------------------------------
 
 def _field_type(cls, field: dataclasses.Field):
@@ -285,33 +315,39 @@ def _field_type(cls, field: dataclasses.Field):
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, defaults: Mapping[str, Any] | None = None,
-                       help: Mapping[str, str] | None = None) -> None:
-    """Add one --kebab-case flag per field of `cls`; `defaults` overrides the dataclass defaults."""
+def flag_help(cls, name: str) -> str:
+    """The --help text of `cls`'s field `name`: that of the first class along the MRO whose field of
+    that name has one (a field redefined with only a new default keeps its parent's), else ''."""
+    for c in cls.__mro__:
+        f = getattr(c, "__dataclass_fields__", {}).get(name)
+        if f is not None and "help" in f.metadata:
+            return f.metadata["help"]
+    return ""
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, defaults: Mapping[str, Any] | None = None) -> None:
+    """Add one --kebab-case flag per field of `cls`, its help from the field (`flag`); `defaults`
+    overrides the dataclass defaults."""
     defaults = dict(defaults or {})
-    help = dict(help or {})
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        option = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         tp = _field_type(cls, f)
-        text = help.get(f.name, "") + f" (default: {default!r})"
+        text = flag_help(cls, f.name) + f" (default: {default!r})"
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            parser.add_argument(flag, type=tp, default=default, help=text, metavar=f.name.upper())
+            parser.add_argument(option, type=tp, default=default, help=text, metavar=f.name.upper())
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def parse_config(cls, argv, *, prog: str, description: str | None, defaults: Mapping[str, Any] | None = None,
-                 help: Mapping[str, str] | None = None):
+def parse_config(cls, argv, *, prog: str, description: str | None, defaults: Mapping[str, Any] | None = None):
     """A script's config dataclass from its command line (one --kebab-case flag per field), validated."""
     parser = ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    if issubclass(cls, RunConfig):
-        help = {**RUN_HELP, **(help or {})}
-    add_dataclass_args(parser, cls, defaults, help)
+    add_dataclass_args(parser, cls, defaults)
     cfg = dataclass_from_args(cls, parser.parse_args(argv))
     cfg.validate()
     return cfg

@@ -18,33 +18,26 @@ import math
 import os
 from typing import Any, Callable
 
-from flaxchat.config import RunConfig, check_sharding
+from flaxchat.config import RunConfig, check_sharding, flag
 from flaxchat.errors import UserError
-
-
-# --help of the flags every stage has.
-STAGE_HELP = {
-    "run_dir": "this stage's own run folder (local or gs://): checkpoints, tokenizer copy, report, metrics "
-               "(resumed if present)",
-    "steps": "optimizer steps",
-    "save_every": "steps between checkpoints (0: only the last step; it is always saved)",
-    "keep_checkpoints": "how many checkpoints to keep",
-    "preempt_grace": "seconds from SIGTERM (a preemption notice) to exit: the step in flight finishes and is "
-                     "saved, exit code 75; a save still going then is given up (docs/deployment.md)",
-    "log_every": "steps between progress lines",
-    "seed": "seed of the data order and the sampling",
-    "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
-    "sharding": "dp (replicated parameters), fsdp (parameters, gradients and optimizer state split), auto: "
-                "the same rules as pretraining",
-    "fresh": "start at step 0 even if --run-dir has a checkpoint (the old one is moved aside, not deleted)",
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class StageConfig(RunConfig):
     """What SFT and RL share beyond every run's flags (`RunConfig`): the base run they start from
-    and the fraction of its learning rates they train at."""
+    and the fraction of its learning rates they train at. It words some of every run's flags for
+    these stages; each stage describes --base and --lr-frac itself."""
 
+    run_dir: str = flag(RunConfig.run_dir, "this stage's own run folder (local or gs://): checkpoints, tokenizer "
+                                           "copy, report, metrics (resumed if present)")
+    steps: int = flag(RunConfig.steps, "optimizer steps")
+    save_every: int = flag(RunConfig.save_every, "steps between checkpoints (0: only the last step; it is always "
+                                                 "saved)")
+    seed: int = flag(RunConfig.seed, "seed of the data order and the sampling")
+    sharding: str = flag(RunConfig.sharding, "dp (replicated parameters), fsdp (parameters, gradients and optimizer "
+                                             "state split), auto: the same rules as pretraining")
+    fresh: bool = flag(RunConfig.fresh, "start at step 0 even if --run-dir has a checkpoint (the old one is moved "
+                                        "aside, not deleted)")
     base: str = ""  # the base model's run folder (required; only read)
     lr_frac: float = 1.0  # times the pretraining learning rates
 

@@ -31,7 +31,7 @@ from fastapi import Request  # at module level: FastAPI resolves the handler's a
 
 import flaxchat
 from flaxchat.chat_mode import MODE_HELP, MODES
-from flaxchat.config import ArgumentParser
+from flaxchat.config import ArgumentParser, flag, flag_help
 from flaxchat.errors import UserError, cli_main
 from flaxchat.execution import SANDBOX_CHOICES, SANDBOX_HELP
 
@@ -40,16 +40,17 @@ PAGE = Path(flaxchat.__file__).resolve().parent / "web" / "index.html"
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    max_message_chars: int = 4000
-    max_messages: int = 40  # user + assistant messages in one conversation
-    max_tokens: int = 512  # the longest reply a request may ask for
-    default_max_tokens: int = 256
-    max_queue: int = 256  # waiting requests beyond the busy slots; more get 503
-    temperature: float = 0.6
-    top_k: int = 50
-    # The largest request body read. The largest valid body is --max-messages x --max-message-chars
-    # characters, up to 6 bytes each as JSON escapes (160,000 characters: 960 KB) plus the keys.
-    max_body_bytes: int = 1_048_576
+    max_message_chars: int = flag(4000, "longest message a request may carry, in characters")
+    max_messages: int = flag(40, "most messages in one conversation (user and assistant)")
+    max_tokens: int = flag(512, "the longest reply a request may ask for, in tokens")
+    default_max_tokens: int = flag(256, "reply length for a request that names none (at most --max-tokens)")
+    max_queue: int = flag(256, "requests that may wait beyond the busy slots; more get HTTP 503")
+    temperature: float = flag(0.6, "sampling temperature for a request that names none (0: greedy; at most 2)")
+    top_k: int = flag(50, "sample among the k likeliest tokens for a request that names none (0: all)")
+    # The largest valid body is --max-messages x --max-message-chars characters, up to 6 bytes each
+    # as JSON escapes (160,000 characters: 960 KB) plus the keys.
+    max_body_bytes: int = flag(1_048_576, "largest request body the server reads, in bytes; a larger one gets "
+                                          "HTTP 413")
 
     def check(self) -> None:
         """The server's own limits and defaults, as flags: one sentence at start-up, not a 400 on
@@ -65,16 +66,6 @@ class Limits:
 
 
 RANGES = {"temperature": (0.0, 2.0), "top_k": (0, 1000)}  # what a request (and the server's default) may ask
-LIMITS_HELP = {
-    "max_message_chars": "longest message a request may carry, in characters",
-    "max_messages": "most messages in one conversation (user and assistant)",
-    "max_tokens": "the longest reply a request may ask for, in tokens",
-    "default_max_tokens": "reply length for a request that names none (at most --max-tokens)",
-    "max_queue": "requests that may wait beyond the busy slots; more get HTTP 503",
-    "temperature": "sampling temperature for a request that names none (0: greedy; at most 2)",
-    "top_k": "sample among the k likeliest tokens for a request that names none (0: all)",
-    "max_body_bytes": "largest request body the server reads, in bytes; a larger one gets HTTP 413",
-}
 
 
 class BadRequest(Exception):
@@ -320,7 +311,7 @@ def parse_args(argv=None):
     d = Limits()
     for f in dataclasses.fields(Limits):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
-                       help=f"{LIMITS_HELP[f.name]} (default: {getattr(d, f.name)})")
+                       help=f"{flag_help(Limits, f.name)} (default: {getattr(d, f.name)})")
     return p.parse_args(argv)
 
 

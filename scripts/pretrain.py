@@ -21,68 +21,11 @@ from flaxchat.config import TrainConfig, parse_config
 from flaxchat.errors import UserError, cli_main
 from flaxchat.kernels import tune_process
 
-HELP = {
-    "run_dir": "folder for checkpoints, report, plot and samples",
-    "data": "'stories' (built-in, offline), a path/glob of .txt/.jsonl/.parquet, or hf:owner/dataset",
-    "depth": "the one dial: layers; width = 64 x depth",
-    "steps": "optimizer steps; -1 derives them from --param-data-ratio",
-    "device_batch_size": "rows per micro-batch per device",
-    "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: nanochat's automatic "
-                        "size, 2^19 x (D/D_ref)^0.383 rounded to a power of two (D: this run's horizon, D_ref: d12's)",
-    "param_data_ratio": "training tokens per scaling parameter (block matrices + LM head) when --steps is -1",
-    "matrix_lr": "Muon LR at 2^19 tokens/step; every LR is scaled by sqrt(B/2^19) (nanochat; see --lr-batch-scaling)",
-    "embedding_lr": "token-embedding AdamW LR at d_model 768 and 2^19 tokens/step (scaled by width and batch)",
-    "unembedding_lr": "LM-head AdamW LR at d_model 768 and 2^19 tokens/step (scaled by width and batch)",
-    "scalar_lr": "per-layer scalar AdamW LR at 2^19 tokens/step (scaled by batch)",
-    "weight_decay": "Muon's cautious weight decay at d12 and 2^19 tokens/step; scaled by sqrt(B/B_ref) x D_ref/D, "
-                    "cosine to 0",
-    "lr_batch_scaling": "scale every LR by sqrt(total batch / 2^19) as nanochat does: on, off, or auto (on with the "
-                        "automatic --total-batch-size -1, and with a batch you give when the run reads its training "
-                        "text 2 times or more, where the LRs as given memorise it; off below that, where the "
-                        "rule's 16-22x smaller LRs at 1-2K-token steps made val bpb worse; docs/recipe.md)",
-    "warmup_steps": "LR warmup steps",
-    "warmdown_ratio": "fraction of the steps over which the LR falls linearly to --final-lr-frac",
-    "attention": "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, xla, splash, cudnn",
-    "init_from": "start from these weights (model.pkl, weights.npz or a run folder); ignored when resuming",
-    "fresh": "start at step 0 even if the run folder has a checkpoint (the old one is moved aside, not deleted)",
-    "sequence_len": "tokens per row (the context the model trains on)",
-    "vocab_size": "tokenizer vocabulary, trained on --data when --tokenizer-dir has none",
-    "window_pattern": "attention windows tiled over the layers: S = a quarter of the context, L = all of it "
-                      "(the last layer is always L)",
-    "optimizer": "muon (Muon for the block matrices + AdamW groups, nanochat's) or adamw (AdamW everywhere)",
-    "adam_beta1": "AdamW beta1 of the embedding, LM-head and scalar groups",
-    "adam_beta2": "AdamW beta2 of the scalar groups",
-    "final_lr_frac": "LR at the end of the warmdown, as a fraction of the peak",
-    "dtype": "compute dtype: auto (bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16",
-    "ns_dtype": "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU; on a CPU with bf16 dot "
-                "instructions bf16-operands on AMD and bf16-products on Intel, fp32 elsewhere), float32, bfloat16, "
-                "bf16-products (fp32, with two of its three products from bf16 operands; rectangular matrices in "
-                "the fp32 Gram form) or bf16-operands (as bf16-products, with every product that reads the iterate "
-                "from bf16 operands); see docs/cpu.md",
-    "sharding": "dp (parameters replicated), fsdp (parameters, gradients and optimizer state split), auto",
-    "eval_every": "steps between validation bpb evaluations, and one at the end (0: none)",
-    "eval_tokens": "validation tokens per evaluation",
-    "sample_every": "steps between sampled stories (0: none during training; the end always samples)",
-    "save_every": "steps between checkpoints (0: only the last step, which is always saved)",
-    "keep_checkpoints": "how many checkpoints to keep",
-    "preempt_grace": "seconds from SIGTERM (a preemption notice) to exit: the step in flight finishes and is "
-                     "saved, exit code 75; a save still going then is given up (docs/deployment.md)",
-    "log_every": "steps between progress lines",
-    "seed": "seed of the initialisation and the data order",
-    "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
-    "text_field": "the .jsonl field or parquet column that holds the text (a hub --data sets it with ?field=)",
-    "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
-    "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
-    "num_samples": "stories sampled at each --sample-every and at the end",
-    "tracker": "where the metrics also go: wandb, tensorboard, none, or a comma list (flaxchat.trackers)",
-    "run_name": "the trackers' name of the run (default: the run folder's name)",
-    "profile_steps": "A:B: a jax.profiler trace of steps A..B-1 into <run>/profile",
-}
 SAMPLE_PROMPTS = ["Once upon a time", "One day, a little", "The old dog"]
 
 
 def parse_args(argv, defaults=None, description=__doc__, prog="python -m scripts.pretrain"):
-    return parse_config(TrainConfig, argv, prog=prog, description=description, defaults=defaults, help=HELP)
+    return parse_config(TrainConfig, argv, prog=prog, description=description, defaults=defaults)
 
 
 def main(argv=None, defaults=None, tune=False) -> int:

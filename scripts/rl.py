@@ -24,7 +24,7 @@ import dataclasses
 import sys
 import time
 
-from flaxchat.config import parse_config
+from flaxchat.config import flag, parse_config
 from flaxchat.errors import UserError, cli_main
 from flaxchat.finetune import StageConfig
 from flaxchat.kernels import tune_process
@@ -33,18 +33,23 @@ from flaxchat.kernels import tune_process
 @dataclasses.dataclass(frozen=True)
 class RLConfig(StageConfig):
     run_dir: str = "runs/rl"
-    task: str = "arithmetic"  # name[@path]: a task with a reward (train split to learn, val to measure)
+    base: str = flag(StageConfig.base, "run folder of the model to improve (an SFT run); only read")
+    # name[@path]: a task with a reward
+    task: str = flag("arithmetic", "task to learn, e.g. arithmetic or gsm8k@data/gsm8k.parquet (train split; val "
+                                   "split measures)")
     steps: int = 100
-    prompts: int = 8  # problems per step
-    samples: int = 8  # answers sampled per problem (the group)
-    max_new_tokens: int = 64  # at most; a long prompt leaves less of the context to its answer
-    temperature: float = 0.8
-    top_k: int = 50
+    prompts: int = flag(8, "problems per step")
+    samples: int = flag(8, "answers sampled per problem; their mean reward is the baseline")  # the group
+    # at most: a long prompt leaves less of the context to its answer
+    max_new_tokens: int = flag(64, "longest answer sampled")
+    temperature: float = flag(0.8, "sampling temperature of the answers that train")
+    top_k: int = flag(50, "sample among the k likeliest tokens")
     # Muon's update has a fixed size whatever the gradient's: with 64 noisy samples a step, 0.05 of
     # the pretraining rates lowered held-out pass@1 (69% -> 50% in 50 steps); 0.01 raises it.
-    lr_frac: float = 0.01
-    eval_every: int = 50
-    eval_examples: int = 100
+    lr_frac: float = flag(0.01, "every group's LR is the pretraining run's (as the SFT base read them) times this, "
+                                "falling linearly to 0 over the steps (chat_rl)")
+    eval_every: int = flag(50, "steps between pass@1 measurements (0: only at the start and the end)")
+    eval_examples: int = flag(100, "held-out problems for pass@1 (greedy)")
     save_every: int = 50
     log_every: int = 5
 
@@ -58,24 +63,8 @@ class RLConfig(StageConfig):
         make_sampling(self.temperature, self.top_k)  # a bad --temperature/--top-k: one sentence, before any work
 
 
-HELP = {
-    "base": "run folder of the model to improve (an SFT run); only read",
-    "task": "task to learn, e.g. arithmetic or gsm8k@data/gsm8k.parquet (train split; val split measures)",
-    "prompts": "problems per step",
-    "samples": "answers sampled per problem; their mean reward is the baseline",
-    "max_new_tokens": "longest answer sampled",
-    "temperature": "sampling temperature of the answers that train",
-    "top_k": "sample among the k likeliest tokens",
-    "lr_frac": "every group's LR is the pretraining run's (as the SFT base read them) times this, falling "
-               "linearly to 0 over the steps (chat_rl)",
-    "eval_every": "steps between pass@1 measurements (0: only at the start and the end)",
-    "eval_examples": "held-out problems for pass@1 (greedy)",
-}
-
-
 def parse_args(argv) -> RLConfig:
-    from flaxchat.finetune import STAGE_HELP
-    return parse_config(RLConfig, argv, prog="python -m scripts.rl", description=__doc__, help=STAGE_HELP | HELP)
+    return parse_config(RLConfig, argv, prog="python -m scripts.rl", description=__doc__)
 
 
 def main(argv=None, tune=False) -> int:

@@ -23,7 +23,7 @@ import math
 import sys
 import time
 
-from flaxchat.config import parse_config
+from flaxchat.config import flag, parse_config
 from flaxchat.errors import UserError, cli_main
 from flaxchat.finetune import StageConfig
 from flaxchat.kernels import tune_process
@@ -34,17 +34,23 @@ CHECK_PROMPTS = ["Who are you?", "Sam has 12 apples and buys 7 more. How many ap
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(StageConfig):
     run_dir: str = "runs/sft"
-    mix: str = "chat,spelling,spell,arithmetic"  # task mixture: name[@path][:weight],...
-    val_mix: str = ""  # default: --mix on the validation split
-    epochs: float = 1.0  # passes over the mixture when --steps is -1
-    device_batch_size: int = 8  # rows per micro-batch per device
-    grad_accum: int = 1  # micro-batches per optimizer step
-    lr_frac: float = 0.8  # times the pretraining learning rates (chat_sft's init_lr_frac)
-    warmdown_ratio: float = 0.5  # the last half of the steps falls linearly to 0 (chat_sft)
-    weight_decay: float = 0.0
-    from_base_optimizer: bool = True  # start from the pretraining momenta and Adam moments (chat_sft)
-    eval_every: int = 100
-    eval_batches: int = 8
+    steps: int = flag(StageConfig.steps, "optimizer steps; -1 derives them from --epochs")
+    base: str = flag(StageConfig.base, "run folder (or checkpoint) of the model to finetune; only read")
+    mix: str = flag("chat,spelling,spell,arithmetic", "tasks and weights, e.g. 'chat:2,spelling,arithmetic' or "
+                                                      "'gsm8k@data/gsm8k.parquet'")  # name[@path][:weight],...
+    val_mix: str = flag("", "tasks for the validation loss (default: --mix, on the validation split)")
+    epochs: float = flag(1.0, "passes over the mixture when --steps is -1")
+    device_batch_size: int = flag(8, "rows per micro-batch per device (whole conversations packed into each)")
+    grad_accum: int = flag(1, "micro-batches per optimizer step")
+    # chat_sft's: its init_lr_frac, the last half of the steps falling to 0, the pretraining momenta
+    # and Adam moments
+    lr_frac: float = flag(0.8, "every group's LR is the pretraining run's times this (chat_sft: 0.8)")
+    warmdown_ratio: float = flag(0.5, "the last fraction of the steps over which the LR falls linearly to 0")
+    weight_decay: float = flag(0.0, "Muon's weight decay")
+    from_base_optimizer: bool = flag(True, "start from the base run's optimizer state (momenta, Adam moments; "
+                                           "schedules reset)")
+    eval_every: int = flag(100, "steps between validation losses (0: none)")
+    eval_batches: int = flag(8, "validation batches per evaluation")
     save_every: int = 200
 
     def validate(self) -> None:
@@ -57,27 +63,8 @@ class SFTConfig(StageConfig):
             raise UserError("--warmdown-ratio must lie between 0 and 1 and --weight-decay be 0 or more.")
 
 
-HELP = {
-    "base": "run folder (or checkpoint) of the model to finetune; only read",
-    "mix": "tasks and weights, e.g. 'chat:2,spelling,arithmetic' or 'gsm8k@data/gsm8k.parquet'",
-    "val_mix": "tasks for the validation loss (default: --mix, on the validation split)",
-    "epochs": "passes over the mixture when --steps is -1",
-    "steps": "optimizer steps; -1 derives them from --epochs",
-    "device_batch_size": "rows per micro-batch per device (whole conversations packed into each)",
-    "grad_accum": "micro-batches per optimizer step",
-    "weight_decay": "Muon's weight decay",
-    "lr_frac": "every group's LR is the pretraining run's times this (chat_sft: 0.8)",
-    "warmdown_ratio": "the last fraction of the steps over which the LR falls linearly to 0",
-    "from_base_optimizer": "start from the base run's optimizer state (momenta, Adam moments; schedules reset)",
-    "eval_every": "steps between validation losses (0: none)",
-    "eval_batches": "validation batches per evaluation",
-}
-
-
 def parse_args(argv, defaults=None) -> SFTConfig:
-    from flaxchat.finetune import STAGE_HELP
-    return parse_config(SFTConfig, argv, prog="python -m scripts.sft", description=__doc__, defaults=defaults,
-                        help=STAGE_HELP | HELP)
+    return parse_config(SFTConfig, argv, prog="python -m scripts.sft", description=__doc__, defaults=defaults)
 
 
 def main(argv=None, tune=False) -> int:

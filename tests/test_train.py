@@ -209,7 +209,7 @@ def test_every_flag_says_what_it_does(capsys):
     from flaxchat.config import TrainConfig, add_dataclass_args
     from scripts import pretrain
     parser = argparse.ArgumentParser()
-    add_dataclass_args(parser, TrainConfig, help=pretrain.HELP)  # as pretrain's parse_args builds it
+    add_dataclass_args(parser, TrainConfig)  # as pretrain's parse_args builds it
     helps = {a.dest: a.help for a in parser._actions}
     for f in dataclasses.fields(TrainConfig):
         words = helps[f.name].rsplit(" (default:", 1)[0].strip()
