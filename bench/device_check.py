@@ -105,7 +105,7 @@ def auto_batch(cfg) -> int:
 
     from flaxchat.config import TrainConfig
     from flaxchat.gpt import GPT, reference_scaling_param_count, scaling_param_count
-    from flaxchat.optim import scaling
+    from flaxchat.recipe import scaling
     n = scaling_param_count(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     tc = TrainConfig()
     return scaling(n, reference_scaling_param_count(cfg), tc.param_data_ratio, tc.weight_decay, -1).total_batch_size

@@ -229,7 +229,7 @@ class TrainConfig(RunConfig):
                                                    "by sqrt(B/B_ref) x D_ref/D, cosine to 0")
     adam_beta1: float = flag(0.8, "AdamW beta1 of the embedding, LM-head and scalar groups")
     adam_beta2: float = flag(0.95, "AdamW beta2 of the scalar groups")
-    # "2 times or more" is scripts.pretrain.REPEAT_PASSES
+    # "2 times or more" is flaxchat.recipe.REPEAT_PASSES
     lr_batch_scaling: str = flag("auto", "scale every LR by sqrt(total batch / 2^19) as nanochat does: on, off, or "
                                          "auto (on with the automatic --total-batch-size -1, and with a batch you "
                                          "give when the run reads its training text 2 times or more, where the LRs as "

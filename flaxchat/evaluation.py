@@ -280,24 +280,30 @@ def core_metric(rows: Sequence[dict]) -> dict | None:
 # --- bits per byte -----------------------------------------------------------------------------------------
 
 
-def validation_bpb(model, tokenizer, data: str = "stories", tokens: int = 65_536, batch_size: int = 8,
-                   seed: int = 0) -> dict:
-    """Bits per byte on the val split of `data`, packed and summed exactly as pretraining's eval."""
+def evaluate_bpb(model, source, tokenizer, tokens: int, batch_size: int) -> float:
+    """Bits per byte of `model` on the first `tokens` of `source` (a `flaxchat.data.sources` text
+    source), packed as pretraining packs its rows; special tokens carry no bytes and are left out."""
     from flaxchat.data.loader import PackingLoader
-    from flaxchat.data.sources import resolve_source
     from flaxchat.train import bits_per_byte, eval_step
 
     T = model.config.sequence_len
-    loader = PackingLoader(resolve_source(data, split="val", seed=seed), tokenizer, batch_size, T,
-                           process_index=0, process_count=1)
+    loader = PackingLoader(source, tokenizer, batch_size, T, process_index=0, process_count=1)
     token_bytes = jnp.asarray(tokenizer.token_bytes())
     nats = nbytes = 0.0
-    steps = max(1, tokens // (batch_size * T))
-    for _ in range(steps):
+    for _ in range(max(1, tokens // (batch_size * T))):
         x, y = loader.next_batch()
         a, b, _ = eval_step(model, jnp.asarray(x), jnp.asarray(y), token_bytes)
         nats, nbytes = nats + float(a), nbytes + float(b)
-    return dict(bpb=bits_per_byte(nats, nbytes), tokens=steps * batch_size * T)
+    return bits_per_byte(nats, nbytes)
+
+
+def validation_bpb(model, tokenizer, data: str = "stories", tokens: int = 65_536, batch_size: int = 8,
+                   seed: int = 0) -> dict:
+    """Bits per byte on the val split of `data`, as pretraining's evaluation measures it."""
+    from flaxchat.data.sources import resolve_source
+    T = model.config.sequence_len
+    bpb = evaluate_bpb(model, resolve_source(data, split="val", seed=seed), tokenizer, tokens, batch_size)
+    return dict(bpb=bpb, tokens=max(1, tokens // (batch_size * T)) * batch_size * T)
 
 
 # --- tables ------------------------------------------------------------------------------------------------

@@ -146,19 +146,16 @@ def base_learning_rates(base_meta: dict) -> dict:
 
 def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOptim, dtype: str = "auto",
                sharding: str = "auto", fresh: bool = False, keep: int = 2, log=print) -> Stage:
-    import jax
     from flax import nnx
 
     from flaxchat import checkpoint as ckpt
     from flaxchat import paths
-    from flaxchat import sharding as shard
     from flaxchat.common import compute_init
-    from flaxchat.config import GPTConfig
     from flaxchat.gpt import GPT, param_count
     from flaxchat.loading import read_run, resolve
     from flaxchat.optim import OptimConfig, Schedule, make_optimizer
     from flaxchat.progress import Progress
-    from flaxchat.stage import open_checkpoints
+    from flaxchat.stage import open_run, place
 
     check_sharding(sharding)
     check_folders(base, run_dir)
@@ -168,14 +165,9 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     tokenizer.check_matches(base_meta.get("tokenizer"), f"the checkpoint of --base {base}",
                             "put back the tokenizer folder that run was trained with.")
     ckpt_dir = paths.RunFolder(run_dir).checkpoints
-    checkpointer, resume, meta = open_checkpoints(run_dir, fresh=fresh, keep=keep, is_main=compute.is_main,
-                                                  log=log, name=name)
-    if meta is not None and GPTConfig.from_dict(meta["model_config"]) != cfg:
-        raise UserError(f"{run_dir} holds a checkpoint of a different model than {base}; "
-                        "use --fresh or another --run-dir.")
-    if meta is not None:
-        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {run_dir}",
-                                "resume from the --base it started from, or use --fresh or another --run-dir.")
+    checkpointer, resume, meta = open_run(run_dir, name=name, fresh=fresh, keep=keep, compute=compute, model_cfg=cfg,
+                                          tokenizer=tokenizer, log=log,
+                                          fix="resume from the --base it started from, or use --fresh or another --run-dir.")
     if compute.is_main:
         with paths.local_copy(paths.RunFolder(run_dir).tokenizer) as local:
             tokenizer.save(local)
@@ -189,13 +181,10 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
                           n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
 
     # --- placement: born sharded on the mesh, then the weights restored into those arrays -------
-    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels))
-    layout = shard.choose(sharding, 4 * param_count(abstract), 2.0, shard.device_memory_bytes())
-    compute = compute.with_sharding(layout)
-    jax.set_mesh(compute.mesh)
-    model, optimizer = shard.create_sharded(
-        lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels),
-        lambda m: make_optimizer(m, opt_cfg, schedule, compute.kernels), compute.mesh)
+    new_model = lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels)
+    model, optimizer, compute, layout = place(compute, sharding, new_model,
+                                              lambda m: make_optimizer(m, opt_cfg, schedule, compute.kernels),
+                                              param_count(nnx.eval_shape(new_model)))
     step = 0
     if meta is not None:
         step = checkpointer.restore(model, optimizer, resume)["step"]

@@ -266,7 +266,7 @@ def scaling_param_count(model: GPT) -> int:
 
 def reference_scaling_param_count(cfg: GPTConfig) -> int:
     """`scaling_param_count` of nanochat's reference, d12 with `cfg`'s vocabulary and context: the
-    model its LRs and batch were tuned at, against which `optim.scaling` scales them."""
+    model its LRs and batch were tuned at, against which `recipe.scaling` scales them."""
     from flaxchat.config import config_for_depth
     ref = config_for_depth(12, vocab_size=cfg.vocab_size, sequence_len=cfg.sequence_len)
     return scaling_param_count(nnx.eval_shape(lambda: GPT(ref, rngs=nnx.Rngs(0))))

@@ -390,32 +390,3 @@ def scale_by_schedule(lr: float, schedule: Schedule) -> optax.GradientTransforma
         return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-# --- nanochat's scaling rules (base_train.py): batch size, LR and weight decay from the horizon ---
-
-B_REF = 2**19  # tokens per step at which nanochat's d12 hyperparameters were tuned
-BATCH_EXPONENT = 0.383  # Power Lines (arXiv 2505.13738): B_opt grows as D^0.383
-
-
-@dataclasses.dataclass(frozen=True)
-class Scaling:
-    target_tokens: float  # D = tokens-per-parameter x scaling parameters
-    reference_tokens: float  # D_ref, the same for the d12 reference model
-    total_batch_size: int  # B, tokens per step
-    batch_lr_scale: float  # sqrt(B / B_ref)
-    weight_decay: float  # lambda_ref * sqrt(B / B_ref) * D_ref / D
-
-
-def scaling(n_scaling: int, n_scaling_ref: int, param_data_ratio: float, weight_decay: float,
-            total_batch_size: int = -1) -> Scaling:
-    """nanochat's rules: the horizon D, the batch (auto when -1: B_ref (D/D_ref)^0.383 rounded to
-    a power of two), LRs scaled by sqrt(B/B_ref), and weight decay by sqrt(B/B_ref) D_ref/D (the
-    T_epoch rule of arXiv 2405.13698 with that LR scaling)."""
-    D = param_data_ratio * n_scaling
-    D_ref = param_data_ratio * n_scaling_ref
-    B = total_batch_size
-    if B <= 0:
-        B = 2 ** round(math.log2(B_REF * (D / D_ref) ** BATCH_EXPONENT))
-    ratio = B / B_REF
-    return Scaling(D, D_ref, int(B), math.sqrt(ratio), weight_decay * math.sqrt(ratio) * D_ref / D)

@@ -164,6 +164,39 @@ def open_checkpoints(run_dir: str, *, fresh: bool, keep: int, is_main: bool, log
     return checkpointer, step, meta
 
 
+def open_run(run_dir: str, *, name: str, fresh: bool, keep: int, compute, model_cfg, tokenizer,
+             log: Callable[[str], None], fix: str):
+    """`open_checkpoints`, then the resumed checkpoint checked against the model and tokenizer this
+    run builds: one sentence ending in `fix` when they differ. What every stage opens its run with."""
+    from flaxchat.config import GPTConfig
+    from flaxchat.errors import UserError
+    checkpointer, step, meta = open_checkpoints(run_dir, fresh=fresh, keep=keep, is_main=compute.is_main, log=log,
+                                                name=name)
+    if meta is not None:
+        saved = GPTConfig.from_dict(meta["model_config"])
+        if saved != model_cfg:
+            checkpointer.close()
+            raise UserError(f"{run_dir} holds a checkpoint of a different model (depth {saved.n_layer}, width "
+                            f"{saved.n_embd}, seq {saved.sequence_len}); {fix}")
+        tokenizer.check_matches(meta.get("tokenizer"), f"the checkpoint in {run_dir}", fix)
+    return checkpointer, step, meta
+
+
+def place(compute, sharding: str, make_model, make_optimizer, n_params: int):
+    """(model, optimizer, compute on its mesh, layout): dp or fsdp (`auto`: what fits), the mesh set
+    for the run (activation constraints resolve on it), and every array born on it. Even on one
+    device: arrays left uncommitted would come back from the first step committed to the mesh, and
+    the changed input types would compile the step twice."""
+    import jax
+
+    from flaxchat import sharding as shard
+    layout = shard.choose(sharding, 4 * n_params, 2.0, shard.device_memory_bytes())
+    compute = compute.with_sharding(layout)
+    jax.set_mesh(compute.mesh)
+    model, optimizer = shard.create_sharded(make_model, make_optimizer, compute.mesh)
+    return model, optimizer, compute, layout
+
+
 def starting_over(run_dir: str, found: list[str]) -> str | None:
     """The line a stage prints when `run_dir` shows an earlier run but no intact step to resume
     (`found`: the folder names in its checkpoints folder before it was opened): a save cut short

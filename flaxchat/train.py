@@ -125,37 +125,37 @@ def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets:
 
 
 class StepLoop:
-    """`train_step` for a training loop: one jax.jit of the flat list of the model's and the
-    optimizer's arrays, so a call costs what JAX's own dispatch does.
+    """The train step of a training loop (pretraining, SFT, RL): one jax.jit of the flat list of
+    the model's and the optimizer's arrays, so a call costs what JAX's own dispatch does.
 
-    nnx.jit, even through `nnx.cached_partial`, walks the model and optimizer and writes every
-    Variable back in Python on each call: 4.4-4.8 ms a step at depth 4 (119 arrays) on a 2-core AMD
-    EPYC (Zen 4), and the CPU training processes' synchronous dispatch (`kernels.cpu.tune_runtime`)
-    puts that between two steps. As a list of arrays the call returns in ~1 ms: config A's step at
-    2,048 tokens 4.0 ms faster (the median of 30 interleaved rounds' paired differences, faster in
-    70% of them). Between calls `model` and `optimizer` hold the arrays the last call donated;
-    `sync()` writes the current ones back, which evaluation, sampling and checkpointing need first
-    (a missed `sync()` fails loudly: donated arrays are deleted, not stale).
+    nnx.jit walks the model and optimizer and writes every Variable back in Python on each call:
+    4.4-4.8 ms a step at depth 4 on a 2-core CPU, against ~1 ms for a list of arrays (docs/cpu.md).
+    Between calls `model` and `optimizer` hold the arrays the last call donated; `sync()` writes the
+    current ones back, and `flaxchat.loop.Loop` calls it before every hook and save (a missed
+    `sync()` fails loudly: donated arrays are deleted, not stale). `normalise=False` (RL's policy
+    step): the weights given with each batch carry the whole normalisation.
     """
 
-    def __init__(self, model: GPT, optimizer: nnx.Optimizer):
+    def __init__(self, model: GPT, optimizer: nnx.Optimizer, normalise: bool = True):
         self.objects = (model, optimizer)
         graphdef, state = nnx.split(self.objects)
         self.arrays, self.treedef = jax.tree.flatten(state)
         self.synced = True
 
-        def step(arrays, inputs, targets):
+        def step(arrays, *batches):
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(self.treedef, arrays))
-            loss = _accumulated_step(model, optimizer, (inputs, targets))
+            loss = _accumulated_step(model, optimizer, batches, normalise=normalise)
             out = jax.tree.leaves(nnx.state((model, optimizer)))
             check_same_types(arrays, out, self.treedef)
             return out, loss
 
         self._step = jax.jit(step, donate_argnums=0)
 
-    def __call__(self, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-        """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss."""
-        self.arrays, loss = self._step(self.arrays, inputs, targets)
+    def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """One optimizer step over micro-batches inputs/targets (A, B, T), and per-token `weights`
+        when given. Returns the mean loss (with weights: the weighted sum)."""
+        batches = (inputs, targets) if weights is None else (inputs, targets, weights)
+        self.arrays, loss = self._step(self.arrays, *batches)
         self.synced = False
         return loss
 
@@ -183,15 +183,6 @@ def check_same_types(before: list, after: list, treedef) -> None:
     if changed:
         raise TypeError(f"the train step changes the type of {len(changed)} state array(s), so every start "
                         f"would compile it twice: {'; '.join(changed[:4])}")
-
-
-@nnx.jit(donate_argnames=("model", "optimizer"))
-def policy_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array,
-                weights: jax.Array):
-    """REINFORCE: minimise sum(-weight * log p(sampled token)) over the sampled tokens (targets >= 0;
-    prompt and tool-forced tokens are -1). `weights` (A, B, T) carry the advantages and the whole
-    normalisation (scripts.rl: per problem, then over problems); nothing is divided here."""
-    return _accumulated_step(model, optimizer, (inputs, targets, weights), normalise=False)
 
 
 @nnx.jit

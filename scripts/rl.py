@@ -91,13 +91,13 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.engine import Engine
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
-    from flaxchat.rates import StepRate
+    from flaxchat.loop import Loop, Meter
     from flaxchat.profiling import StepProfiler
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.trackers import open_trackers
-    from flaxchat.stage import StopOnSignal, already_complete, complete_line
+    from flaxchat.stage import already_complete, complete_line
     from flaxchat.tools import calculate
-    from flaxchat.train import policy_step
+    from flaxchat.train import StepLoop
 
     t_start = time.time()
     train_task, val_task = open_task(cfg.task, "train"), open_task(cfg.task, "val")
@@ -147,55 +147,57 @@ def _run(cfg: RLConfig) -> dict:
         return inputs, targets, policy_weights(targets, adv), rewards
 
     # --- loop ---------------------------------------------------------------------------------------
-    step, t_loop = stage.step, time.time()
     metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
         cfg.tracker, cfg.run_dir, stage="rl", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
-        start_step=step, fresh=cfg.fresh, is_main=compute.is_main))
-    profiler = StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=step, log=print0,
-                            is_main=compute.is_main, process=compute.process_index, processes=compute.process_count)
+        start_step=stage.step, fresh=cfg.fresh, is_main=compute.is_main))
     evals = dict((stage.meta or {}).get("evals", {}))  # step -> pass@1, carried across resumes
     if "0" not in evals:
         evals["0"] = pass_at_1()
         print0(f"step {0:05d} | pass@1 {100 * evals['0']:.1f}% on {min(cfg.eval_examples, len(val_task))} held-out problems")
-    recent: list[float] = []
+    rewards = []  # each step's mean reward since the last log line
+    timing = {}
+
+    def train_one(at):
+        t0 = time.time()
+        inputs, targets, weights, r = rollout(at)
+        timing.update(sampling=time.time() - t0, start=t0)
+        rewards.append(float(r.mean()))
+        loss = trainer(*(global_from_full(compute, a) for a in (inputs, targets, weights)))
+        trainer.sync()
+        refresh_engine()  # the next rollout samples from the updated weights
+        return loss
+
+    def log_line(at):
+        mean_r = sum(rewards) / len(rewards)
+        r = meter.read(at)
+        print0(f"step {at:05d}/{cfg.steps:05d} | mean reward {mean_r:.3f} | sampling {timing['sampling']:.1f}s | "
+               f"step {time.time() - timing['start']:.1f}s | eta {r.eta}")
+        if compute.is_main:
+            metrics.append(kind="train", step=at, loss=1.0 - mean_r, reward=mean_r, time=time.time())
+        rewards.clear()
+
+    def evaluate(at):
+        evals[str(at)] = pass_at_1()
+        print0(f"step {at:05d} | pass@1 {100 * evals[str(at)]:.1f}%")
+        if compute.is_main:
+            metrics.append(kind="val", step=at, pass_at_1=evals[str(at)])
 
     def save(at):
         stage.save(at, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
 
-    rate = StepRate()  # the ETA's smoothed rate (flaxchat.rates): one step's time swings with its rollouts
-    # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
-    with StopOnSignal(print0, processes=compute.process_count, grace_s=cfg.preempt_grace) as notice:
-        while step < cfg.steps:
-            notice.stop_here(step, stage.checkpointer, save)
-            t0 = time.time()
-            inputs, targets, weights, rewards = rollout(step)
-            t_gen = time.time() - t0
-            policy_step(model, stage.optimizer, global_from_full(compute, inputs), global_from_full(compute, targets),
-                        global_from_full(compute, weights))
-            refresh_engine()
-            step += 1
-            profiler.at(step)
-            if step > stage.step + 1:  # the first step compiles; later ones are the rate
-                rate.update(1, time.time() - t0)
-            if stage.progress.due():
-                stage.progress.update(step)
-            recent.append(float(rewards.mean()))
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                mean_r = sum(recent) / len(recent)
-                print0(f"step {step:05d}/{cfg.steps:05d} | mean reward {mean_r:.3f} | sampling {t_gen:.1f}s | "
-                       f"step {time.time() - t0:.1f}s | eta {rate.eta_text(cfg.steps - step)}")
-                if compute.is_main:
-                    metrics.append(kind="train", step=step, loss=1.0 - mean_r, reward=mean_r, time=time.time())
-                recent = []
-            if step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0):
-                evals[str(step)] = pass_at_1()
-                print0(f"step {step:05d} | pass@1 {100 * evals[str(step)]:.1f}%")
-                if compute.is_main:
-                    metrics.append(kind="val", step=step, pass_at_1=evals[str(step)])
-            if step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-                save(step)
-    stage.step = step
-    profiler.close()
+    trainer = StepLoop(model, stage.optimizer, normalise=False)  # the weights carry the normalisation
+    meter = Meter(cfg.steps)  # the ETA's rate: one step's time swings with its rollouts
+    loop = Loop("rl", cfg.steps, start=stage.step, trainer=trainer, save=save, checkpointer=stage.checkpointer,
+                progress=stage.progress, meter=meter, log=print0, processes=compute.process_count,
+                grace_s=cfg.preempt_grace, announce_compile=False,
+                profile=StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=stage.step,
+                                     log=print0, is_main=compute.is_main, process=compute.process_index,
+                                     processes=compute.process_count))
+    loop.every(cfg.log_every, log_line)
+    loop.every(cfg.eval_every, evaluate)
+    loop.every(cfg.save_every, loop.save)
+    t_loop = time.time()
+    step = stage.step = loop.run(train_one)
 
     before, after = evals["0"], evals[str(step)]
     summary = dict(step=step, pass_at_1_before=before, pass_at_1_after=after, evals=evals,

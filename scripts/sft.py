@@ -91,11 +91,11 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.common import fmt_duration, gather_streams, global_batch, local_streams, print0
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
-    from flaxchat.rates import StepRate
+    from flaxchat.loop import Loop, Meter
     from flaxchat.profiling import StepProfiler
     from flaxchat.report import MetricsLog, plot_losses, write_report
     from flaxchat.trackers import open_trackers
-    from flaxchat.stage import StopOnSignal, already_complete, complete_line
+    from flaxchat.stage import already_complete, complete_line
     from flaxchat.train import StepLoop, loss_sum
 
     t_start = time.time()
@@ -134,15 +134,17 @@ def _run(cfg: SFTConfig) -> dict:
     print0(f"batch: {cfg.grad_accum} micro-batch(es) of {rows} x {T} tokens per step; {steps} steps")
 
     batches = LoaderGroup(loaders, cfg.grad_accum)
+    trained = {}  # the fraction of the last batch's tokens that train (the assistant's)
 
-    def next_batch():
+    def train_one(at):
         x, y = batches.next_batch()  # (grad_accum, local rows, T)
-        return global_batch(compute, x), global_batch(compute, y), trained_fraction(y)
+        trained["fraction"] = trained_fraction(y)
+        return trainer(global_batch(compute, x), global_batch(compute, y))
 
     val_batches = []  # the same validation batches at every evaluation: packed once, on first use
+    val = {}  # the first and the last validation loss
 
-    def val_loss():
-        step_fn.sync()
+    def val_loss(at):
         if not val_batches:
             loader = ConversationLoader(val_set, tokenizer, cfg.device_batch_size, T, seed=cfg.seed)
             val_batches.extend(loader.next_batch() for _ in range(cfg.eval_batches))
@@ -150,67 +152,42 @@ def _run(cfg: SFTConfig) -> dict:
         for x, y in val_batches:
             nats, n = loss_sum(model, jnp.asarray(x), jnp.asarray(y))
             total, count = total + float(nats), count + float(n)
-        return total / max(count, 1.0)
+        val["last"] = total / max(count, 1.0)
+        val.setdefault("first", val["last"])
+        print0(f"step {at:05d} | val loss {val['last']:.4f}")
+        if compute.is_main:
+            metrics.append(kind="val", step=at, val_loss=val["last"])
 
     def save(at):
-        step_fn.sync()
         states = gather_streams(dict(zip(streams, batches.state_dict())), compute.device_count)
         stage.save(at, sft_config=dataclasses.asdict(cfg), loader_states=states, base=paths.absolute(cfg.base),
                    stage="sft")
+
+    def log_line(at):
+        lossf, r = meter.loss(at, loop.loss, "lower --lr-frac."), meter.read(at)
+        print0(f"step {at:05d}/{steps:05d} | loss {lossf:.4f} | trained tokens {100 * trained['fraction']:.0f}% | "
+               f"epoch {loaders[0].epochs_done:.2f} | tok/s {r.tok_s:,.0f} | eta {r.eta}")
+        if compute.is_main:
+            metrics.append(kind="train", step=at, loss=lossf, tok_per_s=r.tok_s,
+                           lrm=float(stage.schedule.lr_multiplier(at - 1)), time=time.time())
 
     # --- training loop ---------------------------------------------------------------------------
     metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
         cfg.tracker, cfg.run_dir, stage="sft", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
         start_step=stage.step, fresh=cfg.fresh, is_main=compute.is_main))
-    step, smooth, first_val, last_val, t_loop = stage.step, None, None, None, time.time()
-    t_window, tokens_window, tps = time.time(), 0, None
-    rate, t_rate, rate_from = StepRate(), time.time(), step  # the ETA's smoothed rate (flaxchat.rates)
-    step_fn = StepLoop(model, stage.optimizer)  # model and optimizer hold its arrays after step_fn.sync()
-    profiler = StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=step, log=print0,
-                            is_main=compute.is_main, process=compute.process_index, processes=compute.process_count)
-    # SIGTERM (a preemption's notice) or Ctrl-C: this step is saved, then the run stops
-    with StopOnSignal(print0, processes=compute.process_count, grace_s=cfg.preempt_grace) as notice:
-        while step < steps:
-            notice.stop_here(step, stage.checkpointer, save)
-            x, y, frac = next_batch()
-            loss = step_fn(x, y)
-            step += 1
-            profiler.at(step, loss)
-            tokens_window += x.size
-            if step == stage.step + 1:  # the first step compiles: the ETA's rate starts after it
-                loss.block_until_ready()
-                t_rate, rate_from = time.time(), step
-            if stage.progress.due():
-                loss.block_until_ready()  # progress means a finished step
-                stage.progress.update(step, loss=float(loss), tok_s=tps)
-            if step % cfg.log_every == 0 or step == steps:
-                lossf = float(loss)
-                if not math.isfinite(lossf):
-                    raise UserError(f"the loss became {lossf} at step {step}; lower --lr-frac.")
-                smooth = lossf if smooth is None else 0.8 * smooth + 0.2 * lossf
-                tps = tokens_window / max(time.time() - t_window, 1e-9)
-                rate.update(step - rate_from, time.time() - t_rate)
-                t_rate, rate_from = time.time(), step
-                print0(f"step {step:05d}/{steps:05d} | loss {lossf:.4f} | trained tokens {100 * frac:.0f}% | "
-                       f"epoch {loaders[0].epochs_done:.2f} | tok/s {tps:,.0f} | "
-                       f"eta {rate.eta_text(steps - step)}")
-                if compute.is_main:
-                    metrics.append(kind="train", step=step, loss=lossf, tok_per_s=tps,
-                                   lrm=float(stage.schedule.lr_multiplier(step - 1)), time=time.time())
-                t_window, tokens_window = time.time(), 0
-            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == steps or step == 1):
-                last_val = val_loss()
-                first_val = last_val if first_val is None else first_val
-                print0(f"step {step:05d} | val loss {last_val:.4f}")
-                if compute.is_main:
-                    metrics.append(kind="val", step=step, val_loss=last_val)
-                t_window, tokens_window = time.time(), 0
-            if step == steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-                save(step)
-    stage.step = step
-    profiler.close()
-    step_fn.sync()
-    train_seconds = time.time() - t_loop
+    trainer = StepLoop(model, stage.optimizer)
+    meter = Meter(steps, tokens_per_step=cfg.grad_accum * rows * T, smoothing=0.8)
+    loop = Loop("sft", steps, start=stage.step, trainer=trainer, save=save, checkpointer=stage.checkpointer,
+                progress=stage.progress, meter=meter, log=print0, processes=compute.process_count,
+                grace_s=cfg.preempt_grace, announce_compile=False,
+                profile=StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=stage.step,
+                                     log=print0, is_main=compute.is_main, process=compute.process_index,
+                                     processes=compute.process_count))
+    loop.every(cfg.log_every, log_line)
+    loop.every(cfg.eval_every, val_loss, last=cfg.eval_every > 0, first=cfg.eval_every > 0)
+    loop.every(cfg.save_every, loop.save)
+    step = stage.step = loop.run(train_one)
+    smooth, first_val, last_val, train_seconds = meter.smooth, val.get("first"), val.get("last"), meter.trained_s
 
     # --- a look at the result, report ---------------------------------------------------------------
     replies = check_replies(model, tokenizer, CHECK_PROMPTS)

@@ -460,7 +460,7 @@ def test_cut_document_keeps_the_tokens_of_the_whole_text(small_tok):
 def test_repetition_estimate_on_a_streamed_parquet_corpus(small_tok, tmp_path):
     # A parquet text is always streamed, and the estimate used to be None for it, so `--lr-batch-scaling
     # auto` left the rule off on a text read ~4 times (val bpb 2.55 at step 400, 2.82 at 600).
-    from scripts.pretrain import REPEAT_PASSES, batch_scaling_applies, estimated_passes
+    from flaxchat.recipe import REPEAT_PASSES, batch_scaling_applies, estimated_passes
     docs = [story(0, i) for i in range(600)]
     for f in range(3):
         pq.write_table(pa.table({"text": docs[f * 200:(f + 1) * 200]}), tmp_path / f"part{f}.parquet",
@@ -477,7 +477,7 @@ def test_repetition_estimate_on_a_streamed_parquet_corpus(small_tok, tmp_path):
 
 
 def test_repetition_estimate_reads_a_row_of_each_huge_document(small_tok, tmp_path):
-    from scripts.pretrain import estimated_passes
+    from flaxchat.recipe import estimated_passes
     huge = "\n".join(story(0, i) for i in range(1000)) * 10  # 8 MB: counted as one row of 257
     pq.write_table(pa.table({"text": [huge, huge, story(0, 5), story(0, 6)]}), tmp_path / "h.parquet", row_group_size=1)
     src = resolve_source(str(tmp_path / "h.parquet"), split="train")

@@ -83,7 +83,7 @@ def test_a_finished_run_run_again_says_complete_and_rewrites_nothing(tmp_path):
 
 
 def test_the_readme_main_job_figures_are_the_runs_own_batch_line():
-    from scripts.pretrain import batch_line
+    from flaxchat.recipe import batch_line
     from scripts.run_tinystories import DEFAULTS
     rows, seq, total, steps = DEFAULTS["device_batch_size"], DEFAULTS["sequence_len"], DEFAULTS["total_batch_size"], \
         DEFAULTS["steps"]
@@ -109,7 +109,7 @@ def test_the_readme_main_job_figures_are_the_runs_own_batch_line():
     ("on", 1024, True, None, "on (--lr-batch-scaling on)"),
 ])
 def test_the_recipe_line_says_whether_the_lr_rule_is_on_and_why(mode, given, applied, passes, words):
-    from scripts.pretrain import lr_rule_text
+    from flaxchat.recipe import lr_rule_text
     assert words in lr_rule_text(mode, given, applied, 1024, (1024 / 2**19) ** 0.5, passes)
 
 

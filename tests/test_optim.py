@@ -231,7 +231,7 @@ def test_build_optimizer_batches_muon_as_the_kernels_record_says():
 
 
 def test_scaling_follows_nanochats_rules():
-    from flaxchat.optim import B_REF, scaling
+    from flaxchat.recipe import B_REF, scaling
     ref = scaling(100_000_000, 100_000_000, 12, 0.28)  # the reference itself: nothing moves
     assert (ref.total_batch_size, ref.batch_lr_scale, ref.weight_decay) == (B_REF, 1.0, pytest.approx(0.28))
     small = scaling(4_000_000, 100_000_000, 12, 0.28)

@@ -21,7 +21,7 @@ from flaxchat.errors import UserError, cli_main
 from flaxchat.gpt import GPT
 from flaxchat.loading import load_model, save_run
 from flaxchat.optim import OptimConfig, Schedule, build_optimizer
-from flaxchat.train import policy_step, train_step
+from flaxchat.train import StepLoop, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = GPTConfig(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
@@ -109,7 +109,8 @@ def test_packing_keeps_conversations_whole_and_resumes_exactly(tokenizer):
 
 @pytest.mark.timeout(120)
 def test_policy_step_is_train_step_with_weights():
-    """Weights of one give exactly the SFT update; a negative advantage pushes the other way."""
+    """RL's step (StepLoop with per-token weights, nothing divided): weights of 1/count give the SFT
+    update; a negative advantage pushes the other way."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.integers(0, 512, (1, 2, 16)), jnp.int32)
     y = jnp.asarray(np.where(rng.random((1, 2, 16)) < 0.5, rng.integers(0, 512, (1, 2, 16)), -1), jnp.int32)
@@ -119,6 +120,11 @@ def test_policy_step_is_train_step_with_weights():
         cfg = OptimConfig(optimizer="adamw", matrix_lr=0.01, embedding_lr=0.01, unembedding_lr=0.01, scalar_lr=0.01,
                           smear_lr=0.01, weight_decay=0.0, adam_beta1=0.9, n_embd=TINY.n_embd)
         return model, nnx.Optimizer(model, build_optimizer(cfg, Schedule(10)), wrt=nnx.Param)
+
+    def policy_step(model, optimizer, *batches):
+        step = StepLoop(model, optimizer, normalise=False)
+        step(*batches)
+        step.sync()
 
     m1, o1 = fresh()
     m2, o2 = fresh()

@@ -321,7 +321,7 @@ def test_lr_batch_rule_follows_how_often_the_run_reads_its_text():
     """`--lr-batch-scaling auto`: nanochat's sqrt(B/2^19) rule with the automatic batch, and with a
     batch you give once the run reads its text REPEAT_PASSES times or more (bench.quality: on a text
     read ~5 times the LRs as given climbed 0.64 bpb above nanochat by step 600)."""
-    from scripts.pretrain import REPEAT_PASSES, batch_scaling_applies
+    from flaxchat.recipe import REPEAT_PASSES, batch_scaling_applies
     assert batch_scaling_applies("auto", -1, None) and batch_scaling_applies("auto", -1, 0.1)
     assert batch_scaling_applies("auto", 2048, REPEAT_PASSES) and batch_scaling_applies("auto", 2048, 5.0)
     assert not batch_scaling_applies("auto", 2048, 0.3) and not batch_scaling_applies("auto", 2048, None)
@@ -331,7 +331,7 @@ def test_lr_batch_rule_follows_how_often_the_run_reads_its_text():
 def test_estimated_passes_counts_documents_as_the_loader_packs_them(tmp_path):
     from flaxchat.data.sources import resolve_source
     from flaxchat.tokenizer import Tokenizer
-    from scripts.pretrain import estimated_passes
+    from flaxchat.recipe import estimated_passes
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     docs = [" ".join(words[i % 8:] + words[:i % 8]) * (1 + i % 3) for i in range(400)]
     (tmp_path / "t.txt").write_text("\n\n".join(docs) + "\n")
