@@ -97,3 +97,22 @@ class StepRate:
         from flaxchat.common import fmt_duration
         seconds = self.eta(steps_left)
         return "-" if seconds is None else fmt_duration(seconds)
+
+
+def job_peak(compute, log: Callable[[str], None]) -> Peak:
+    """The `Peak` of a job's devices: the spec sheet's (its line also gives a timed bf16 matmul, so an
+    MFU can be read against either), else the best of the run's own measured ones."""
+    import jax.numpy as jnp
+
+    from flaxchat.common import device_peak_flops, matmul_flops, spec_peak_flops
+    spec = spec_peak_flops()
+    peak = Peak(spec=spec * compute.device_count if spec else None,
+                probe=lambda: device_peak_flops(compute, measure=True) * compute.device_count, log=log)
+    if spec:
+        measured = matmul_flops(8192, jnp.bfloat16)
+        log(f"mfu: counted against the spec sheet's {spec / 1e12:.0f} TFLOP/s per device; a bf16 8192³ matmul "
+            f"measures {measured / 1e12:.1f} here ({100 * measured / spec:.0f}% of it)")
+    else:
+        log(f"mfu: counted against a {jnp.dtype(compute.compute_dtype).name} matmul timed here, "
+            f"{peak.flops / compute.device_count / 1e9:,.0f} GFLOP/s per device (no spec sheet for this device)")
+    return peak

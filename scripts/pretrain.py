@@ -67,6 +67,7 @@ def _run(tc: TrainConfig) -> dict:
     from flaxchat.optim import OptimConfig, Schedule, make_optimizer
     from flaxchat.profiling import StepProfiler
     from flaxchat.progress import Progress
+    from flaxchat.rates import job_peak
     from flaxchat.recipe import batch_scaling_applies, estimated_passes, geometry, lr_rule_text, scaling
     from flaxchat.report import MetricsLog, plot_losses, write_json, write_report
     from flaxchat.stage import already_complete, barrier, complete_line, finish, open_run, place
@@ -185,7 +186,7 @@ def _run(tc: TrainConfig) -> dict:
         if step < steps and paths.exists(run.complete):
             paths.remove(run.complete)  # our own marker of an earlier, shorter run: this one is not done
         write_json(run.config, config)
-    peak = mfu_peak(compute, print0)
+    peak = job_peak(compute, print0)
     meter = Meter(steps, tokens_per_step=total, flops_per_token=flops_per_token, peak=peak)
     last_bpb = None
 
@@ -308,26 +309,6 @@ def load_tokenizer(tc: TrainConfig, compute, run, texts, train_or_load, barrier)
         with paths.local_copy(tok_dir, upload=False) as local:
             tokenizer = train_or_load(local, texts, tc.vocab_size, max_chars=tc.max_chars_tokenizer, log=None)
     return tokenizer
-
-
-def mfu_peak(compute, log):
-    """The peak MFU is counted against: the spec sheet's (both figures printed, so an MFU can be read
-    against either), else the best of this run's measured ones (flaxchat.rates.Peak)."""
-    import jax.numpy as jnp
-
-    from flaxchat.common import device_peak_flops, matmul_flops, spec_peak_flops
-    from flaxchat.rates import Peak
-    spec = spec_peak_flops()
-    peak = Peak(spec=spec * compute.device_count if spec else None,
-                probe=lambda: device_peak_flops(compute, measure=True) * compute.device_count, log=log)
-    if spec:
-        measured = matmul_flops(8192, jnp.bfloat16)
-        log(f"mfu: counted against the spec sheet's {spec / 1e12:.0f} TFLOP/s per device; a bf16 8192³ matmul "
-            f"measures {measured / 1e12:.1f} here ({100 * measured / spec:.0f}% of it)")
-    else:
-        log(f"mfu: counted against a {jnp.dtype(compute.compute_dtype).name} matmul timed here, "
-            f"{peak.flops / compute.device_count / 1e9:,.0f} GFLOP/s per device (no spec sheet for this device)")
-    return peak
 
 
 def sample_text(story: str) -> str:
