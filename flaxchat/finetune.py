@@ -86,6 +86,30 @@ class Stage:
                                dict(meta, model_config=self.model.config.to_dict(), optim_config=self.base_lrs,
                                     tokenizer=self.tokenizer.fingerprint()))
 
+    def metrics_log(self, cfg: "StageConfig"):
+        """metrics.jsonl, every line of which also goes to the `--tracker`s (W&B, TensorBoard)."""
+        import dataclasses as dc
+
+        from flaxchat.report import MetricsLog
+        from flaxchat.trackers import open_trackers
+        return MetricsLog(self.folder.metrics, trackers=open_trackers(
+            cfg.tracker, self.run_dir, stage=self.progress.stage, run_name=cfg.run_name, config=dc.asdict(cfg),
+            start_step=self.step, fresh=cfg.fresh, is_main=self.compute.is_main))
+
+    def loop(self, cfg: "StageConfig", steps: int, trainer, save, meter):
+        """The stage's `flaxchat.loop.Loop` from its step on: its checkpointer, progress file, the
+        stop notice's grace and the `--profile-steps` window."""
+        from flaxchat import paths
+        from flaxchat.common import print0
+        from flaxchat.loop import Loop
+        from flaxchat.profiling import StepProfiler
+        c = self.compute
+        profile = StepProfiler(cfg.profile_steps, paths.join(self.run_dir, "profile"), start_step=self.step,
+                               log=print0, is_main=c.is_main, process=c.process_index, processes=c.process_count)
+        return Loop(self.progress.stage, steps, start=self.step, trainer=trainer, save=save, checkpointer=self.checkpointer,
+                    progress=self.progress, meter=meter, log=print0, processes=c.process_count,
+                    grace_s=cfg.preempt_grace, announce_compile=False, profile=profile)
+
     def loader_states(self, streams: list[int]) -> list | None:
         """The resumed checkpoint's loader states for this job's streams, resharded when the job
         has another device count than the run that saved them (None when starting)."""

@@ -91,10 +91,8 @@ def _run(cfg: RLConfig) -> dict:
     from flaxchat.engine import Engine
     from flaxchat.evaluation import generative_accuracy
     from flaxchat.finetune import StageOptim, open_stage
-    from flaxchat.loop import Loop, Meter
-    from flaxchat.profiling import StepProfiler
-    from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.trackers import open_trackers
+    from flaxchat.loop import Meter
+    from flaxchat.report import plot_losses, write_report
     from flaxchat.stage import already_complete, complete_line
     from flaxchat.tools import calculate
     from flaxchat.train import StepLoop
@@ -147,9 +145,7 @@ def _run(cfg: RLConfig) -> dict:
         return inputs, targets, policy_weights(targets, adv), rewards
 
     # --- loop ---------------------------------------------------------------------------------------
-    metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
-        cfg.tracker, cfg.run_dir, stage="rl", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
-        start_step=stage.step, fresh=cfg.fresh, is_main=compute.is_main))
+    metrics = stage.metrics_log(cfg)  # --tracker: W&B/TensorBoard get every line too
     evals = dict((stage.meta or {}).get("evals", {}))  # step -> pass@1, carried across resumes
     if "0" not in evals:
         evals["0"] = pass_at_1()
@@ -187,12 +183,7 @@ def _run(cfg: RLConfig) -> dict:
 
     trainer = StepLoop(model, stage.optimizer, normalise=False)  # the weights carry the normalisation
     meter = Meter(cfg.steps)  # the ETA's rate: one step's time swings with its rollouts
-    loop = Loop("rl", cfg.steps, start=stage.step, trainer=trainer, save=save, checkpointer=stage.checkpointer,
-                progress=stage.progress, meter=meter, log=print0, processes=compute.process_count,
-                grace_s=cfg.preempt_grace, announce_compile=False,
-                profile=StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=stage.step,
-                                     log=print0, is_main=compute.is_main, process=compute.process_index,
-                                     processes=compute.process_count))
+    loop = stage.loop(cfg, cfg.steps, trainer, save, meter)
     loop.every(cfg.log_every, log_line)
     loop.every(cfg.eval_every, evaluate)
     loop.every(cfg.save_every, loop.save)

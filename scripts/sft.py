@@ -91,10 +91,8 @@ def _run(cfg: SFTConfig) -> dict:
     from flaxchat.common import fmt_duration, gather_streams, global_batch, local_streams, print0
     from flaxchat.data.loader import LoaderGroup
     from flaxchat.finetune import StageOptim, open_stage
-    from flaxchat.loop import Loop, Meter
-    from flaxchat.profiling import StepProfiler
-    from flaxchat.report import MetricsLog, plot_losses, write_report
-    from flaxchat.trackers import open_trackers
+    from flaxchat.loop import Meter
+    from flaxchat.report import plot_losses, write_report
     from flaxchat.stage import already_complete, complete_line
     from flaxchat.train import StepLoop, loss_sum
 
@@ -172,17 +170,10 @@ def _run(cfg: SFTConfig) -> dict:
                            lrm=float(stage.schedule.lr_multiplier(at - 1)), time=time.time())
 
     # --- training loop ---------------------------------------------------------------------------
-    metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
-        cfg.tracker, cfg.run_dir, stage="sft", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
-        start_step=stage.step, fresh=cfg.fresh, is_main=compute.is_main))
+    metrics = stage.metrics_log(cfg)  # --tracker: W&B/TensorBoard get every line too
     trainer = StepLoop(model, stage.optimizer)
     meter = Meter(steps, tokens_per_step=cfg.grad_accum * rows * T, smoothing=0.8)
-    loop = Loop("sft", steps, start=stage.step, trainer=trainer, save=save, checkpointer=stage.checkpointer,
-                progress=stage.progress, meter=meter, log=print0, processes=compute.process_count,
-                grace_s=cfg.preempt_grace, announce_compile=False,
-                profile=StepProfiler(cfg.profile_steps, paths.join(cfg.run_dir, "profile"), start_step=stage.step,
-                                     log=print0, is_main=compute.is_main, process=compute.process_index,
-                                     processes=compute.process_count))
+    loop = stage.loop(cfg, steps, trainer, save, meter)
     loop.every(cfg.log_every, log_line)
     loop.every(cfg.eval_every, val_loss, last=cfg.eval_every > 0, first=cfg.eval_every > 0)
     loop.every(cfg.save_every, loop.save)
