@@ -175,7 +175,7 @@ def _run(cfg: SFTConfig) -> dict:
     metrics = MetricsLog(stage.folder.metrics, trackers=open_trackers(  # --tracker: W&B/TensorBoard get every line
         cfg.tracker, cfg.run_dir, stage="sft", run_name=cfg.run_name, config=dataclasses.asdict(cfg),
         start_step=stage.step, fresh=cfg.fresh, is_main=compute.is_main))
-    trainer = StepLoop(model, stage.optimizer)
+    trainer = StepLoop(model, stage.optimizer, plan=compute.plan)
     meter = Meter(steps, tokens_per_step=cfg.grad_accum * rows * T, smoothing=0.8)
     loop = Loop("sft", steps, start=stage.step, trainer=trainer, save=save, checkpointer=stage.checkpointer,
                 progress=stage.progress, meter=meter, log=print0, processes=compute.process_count,
