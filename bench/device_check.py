@@ -115,11 +115,11 @@ def kernels_for(kernel: str, remat: str):
     import dataclasses
 
     from flaxchat.kernels import choose
-    kernels = choose(attention=kernel)
+    kernels = choose(attention=kernel).model
     if remat == "none":
         return kernels
     if kernels.backend == "cpu":
-        return choose(attention=kernel, grad_checkpoint=True)  # the CPU's one remat form
+        return choose(attention=kernel, grad_checkpoint=True).model  # the CPU's one remat form
     from flaxchat.kernels.tpu import remat_blocks
     return dataclasses.replace(kernels, remat=remat_blocks[remat])
 
@@ -135,6 +135,7 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     from flaxchat.common import resolve_dtype
     from flaxchat.config import config_for_depth
     from flaxchat.gpt import GPT, estimate_flops
+    from flaxchat.kernels import choose
     from flaxchat.optim import OptimConfig, Schedule, make_optimizer
     from flaxchat.train import _micro_loss
     from bench.scale import memory, pure_step
@@ -143,9 +144,10 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     kernels = kernels_for(kernel, remat)
     dtype = resolve_dtype(args.dtype)
     mesh = sharding.make_mesh(jax.devices(), "dp")
-    opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=kernels.ns_dtype)
+    polar = choose().polar
+    opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=polar.ns_dtype)
     model, opt = sharding.create_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels),
-                                         lambda m: make_optimizer(m, opt_cfg, Schedule(1000), kernels), mesh)
+                                         lambda m: make_optimizer(m, opt_cfg, Schedule(1000), polar), mesh)
     flops = estimate_flops(model)
     graphdef, state = nnx.split((model, opt))
     model_def, params, rest = nnx.split(model, nnx.Param, ...)

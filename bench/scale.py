@@ -195,20 +195,24 @@ def available_ram() -> int:
 # --- one depth under one layout ---------------------------------------------------------------------
 
 
-def kernels_of(args):
-    """The kernels record the bench's flags name (--attention, --grad-checkpoint): this machine's,
-    or with --topology the TPU's, its splash kernel lowered for the chip (bench.topology)."""
+def choice_of(args):
+    """The backend's records (`flaxchat.kernels.Choice`) the bench's flags name (--attention,
+    --grad-checkpoint): this machine's, or with --topology the TPU's, its splash kernel lowered for
+    the chip (bench.topology)."""
     from flaxchat.kernels import choose
     if args.slice is None:
         return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint)
     from bench.topology import splash_compiled
-    k = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint)
-    return dataclasses.replace(k, attention=splash_compiled) if k.attention_name == "splash" else k
+    c = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+    if c.model.attention_name != "splash":
+        return c
+    return dataclasses.replace(c, model=dataclasses.replace(c.model, attention=splash_compiled))
 
 
-def build(cfg, dtype, mesh, abstract: bool, kernels=None, ns_dtype: str = "float32"):
+def build(cfg, dtype, mesh, abstract: bool, kernels=None, polar=None, ns_dtype: str = "float32"):
     """(model, optimizer) placed on `mesh` by the sharding rules; ShapeDtypeStructs when `abstract`.
-    `ns_dtype`: Polar Express's dtype (pretrain's --ns-dtype auto takes the kernels record's)."""
+    `kernels`, `polar`: the model's and Muon's records (`flaxchat.kernels.Choice`; default: this
+    backend's). `ns_dtype`: Polar Express's dtype (pretrain's --ns-dtype auto takes `polar`'s)."""
     from flax import nnx
 
     from flaxchat import sharding
@@ -218,7 +222,7 @@ def build(cfg, dtype, mesh, abstract: bool, kernels=None, ns_dtype: str = "float
     opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=ns_dtype)
 
     def optimizer(model):  # pretraining's: the schedule's horizon an input of the step
-        return make_optimizer(model, opt_cfg, Schedule(1000), kernels)
+        return make_optimizer(model, opt_cfg, Schedule(1000), polar)
 
     def make():
         model = GPT(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)
@@ -232,9 +236,10 @@ def build(cfg, dtype, mesh, abstract: bool, kernels=None, ns_dtype: str = "float
                                    optimizer, mesh)
 
 
-def pure_step(graphdef):
-    """The real train step as a function of the state, so the AOT-compiled executable can also be
-    called on the real state (donated, as in training)."""
+def pure_step(graphdef, plan=None):
+    """The real train step (accumulating as `plan` says; default: this backend's) as a function of
+    the state, so the AOT-compiled executable can also be called on the real state (donated, as in
+    training)."""
     import jax
     from flax import nnx
 
@@ -242,7 +247,7 @@ def pure_step(graphdef):
 
     def step(state, x, y):
         model, opt = nnx.merge(graphdef, state)
-        loss = train_step(model, opt, x, y)
+        loss = train_step(model, opt, x, y, plan=plan)
         return loss, nnx.state((model, opt))
 
     return jax.jit(step, donate_argnums=0)
@@ -263,16 +268,17 @@ def compile_step(cfg, mesh, args, cheap: bool):
     batch = NamedSharding(mesh, P(None, sharding.BATCH))
     xs = jax.ShapeDtypeStruct((1, args.batch, cfg.sequence_len), jnp.int32, sharding=batch)
     graphdef, state = nnx.split((model, opt))
+    plan = choice_of(args).plan  # with --topology the TPU's, not this machine's
     t = time.perf_counter()
     if args.slice is not None:
         # The abstract mesh is all the trace needs (the arguments carry the real shardings). Under the
         # concrete mesh of compile-only TPU devices, splash's mask tables, made concrete while tracing
         # (jax.ensure_compile_time_eval), would be put on those devices and fail. No CPU codegen options.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = pure_step(graphdef).lower(state, xs, xs).compile()
+            compiled = pure_step(graphdef, plan).lower(state, xs, xs).compile()
         return compiled, time.perf_counter() - t, batch
     with jax.set_mesh(mesh):  # the model's logical activation constraints resolve on this mesh
-        compiled = pure_step(graphdef).lower(state, xs, xs).compile(CHEAP_CODEGEN if cheap else None)
+        compiled = pure_step(graphdef, plan).lower(state, xs, xs).compile(CHEAP_CODEGEN if cheap else None)
     return compiled, time.perf_counter() - t, batch
 
 
@@ -280,9 +286,9 @@ def build_for(cfg, mesh, args, abstract: bool):
     """`build` with the bench's flags; with --topology, Polar Express in the TPU record's dtype, as
     pretrain picks it there."""
     import jax.numpy as jnp
-    kernels = kernels_of(args)
-    return build(cfg, jnp.dtype(args.dtype), mesh, abstract, kernels=kernels,
-                 ns_dtype=kernels.ns_dtype if args.slice is not None else "float32")
+    choice = choice_of(args)
+    return build(cfg, jnp.dtype(args.dtype), mesh, abstract, kernels=choice.model, polar=choice.polar,
+                 ns_dtype=choice.polar.ns_dtype if args.slice is not None else "float32")
 
 
 def memory(compiled) -> dict:
@@ -509,9 +515,9 @@ def main(argv=None) -> int:
 
     from flaxchat.config import config_for_depth
 
-    kernels = kernels_of(args)
+    choice = choice_of(args)
     what = (f"rows of {args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state "
-            f"fp32, attention {kernels.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}")
+            f"fp32, attention {choice.model.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}")
     if args.slice is None:
         slices = f" in {args.slices} slices" if args.slices > 1 else ""
         print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} "
@@ -522,7 +528,8 @@ def main(argv=None) -> int:
         print(f"bench.scale: jax {jax.__version__}, compiled by libtpu {_libtpu_version()} for {_slices_name(args)} "
               f"({args.devices} x {dev.device_kind}, {s.hbm_bytes / 2**30:.0f} GiB HBM each; topology {s.topology_name}"
               f"{slices}) "
-              f"on this CPU machine ({os.cpu_count()} cores); {what}, Polar Express in {kernels.ns_dtype}", flush=True)
+              f"on this CPU machine ({os.cpu_count()} cores); {what}, Polar Express in "
+              f"{choice.polar.ns_dtype}", flush=True)
     chips = chip_columns(args)
     head = (f"{'depth':>5} {'layout':6} {'params':>8} {'param/dev':>9} {'opt/dev':>8} {'args':>7} {'temp':>7} "
             f"{'out':>7} {'peak/dev':>8} {'compile':>8} {'step':>9} {'rows':>4} "

@@ -91,7 +91,7 @@ CONFIGS = {  # A: the main job's shape (run_tinystories --depth=4); B: depth 8; 
 
 def baseline_kernels() -> Kernels:
     """The baseline's kernels: dense XLA attention and jnp.matmul with autodiff's backward."""
-    return dataclasses.replace(choose(attention="xla"), matmul=ops.matmul)
+    return dataclasses.replace(choose(attention="xla").model, matmul=ops.matmul)
 
 
 class PeakProbe:
@@ -152,7 +152,7 @@ def muon_matrices(state: nnx.State) -> list[jax.Array]:
 
 def step_optim(cfg: GPTConfig, optimizer: str = "muon", **kw) -> OptimConfig:
     """The optimizer of the real step, Polar Express in the dtype pretraining picks on this machine."""
-    return OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, ns_dtype=choose().ns_dtype, **kw)
+    return OptimConfig(optimizer=optimizer, n_embd=cfg.n_embd, ns_dtype=choose().polar.ns_dtype, **kw)
 
 
 def ns_flops(shape, steps: int = 5, dtype="float32") -> float:
@@ -251,11 +251,11 @@ def phases(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, pro
     y = jnp.roll(x, -1, axis=-1)
     variants = {"full": step_optim(cfg), "no-ns": step_optim(cfg, ns_steps=0), "noop": None}
     models, runs, times = {}, {}, {k: [] for k in variants}
-    kernels = kernels or choose()
-    polar_express = kernels.polar_express
+    kernels = kernels or choose().model
+    polar_express = choose().polar.orthogonalise
     for name, oc in variants.items():
         models[name] = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
-        tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000), kernels)
+        tx = optax.sgd(0.0) if oc is None else build_optimizer(oc, Schedule(1000))
         runs[name] = StepLoop(models[name], nnx.Optimizer(models[name], tx, wrt=nnx.Param))
         runs[name](x, y).block_until_ready()  # compile
     for _ in range(steps):
@@ -331,7 +331,7 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, 
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
     runs, programs = {}, {}
-    kernels = kernels or choose()
+    kernels = kernels or choose().model
     for name in ("whole", *ABLATIONS):
         stand_ins = ABLATIONS.get(name, {})
         in_ops = {attr[4:]: fn for attr, fn in stand_ins.items() if attr.startswith("ops.")}
@@ -363,7 +363,7 @@ def ablations(cfg: GPTConfig, rows: int, accum: int, steps: int, seed: int = 0, 
 def real_step(cfg: GPTConfig, rows: int, accum: int, seed: int = 0, kernels: Kernels | None = None):
     """One real train step, compiled and run once: (run it again, its compiled module's text)."""
     model = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
-    opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000), kernels), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, build_optimizer(step_optim(cfg), Schedule(1000)), wrt=nnx.Param)
     x = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
     y = jnp.roll(x, -1, axis=-1)
     step = StepLoop(model, opt)  # as the stages call it
@@ -395,7 +395,7 @@ def run_mode(cfg: GPTConfig, rows: int, accum: int, optimizer: str, steps: int, 
     """Median ms, tok/s and MFU of the real step; MFU per round against the peak timed just before
     that round's step (`PeakProbe`), then the median over rounds."""
     model = GPT(cfg, rngs=nnx.Rngs(seed), kernels=kernels)
-    tx = build_optimizer(step_optim(cfg, optimizer), Schedule(1000), kernels)
+    tx = build_optimizer(step_optim(cfg, optimizer), Schedule(1000))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, cfg.vocab_size, (accum, rows, cfg.sequence_len)), jnp.int32)
@@ -468,12 +468,13 @@ def main(argv=None):
 
     probe = PeakProbe()
     peak = probe.sample()
-    kernels = choose(attention=args.attention)
+    choice = choose(attention=args.attention)
+    kernels, plan = choice.model, choice.plan
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
           f"fp32 2048^3 matmul peak at the start: {peak / 1e9:.0f} GFLOP/s (each MFU below divides by the peak "
           f"timed beside each step); the flaxchat modes' {kernels.describe()}, Polar Express in "
-          f"{kernels.ns_dtype}, micro-batches {kernels.scan_unroll} at a time"
-          f"{', a lone one in halves' if kernels.halve_lone_micro_batch else ''} (flaxchat.kernels)")
+          f"{choice.polar.ns_dtype}, micro-batches {plan.scan_unroll} at a time"
+          f"{', a lone one in halves' if plan.halve_lone_micro_batch else ''} (flaxchat.kernels)")
     print(f"{'config':6} {'mode':12} {'tokens/step':>11} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'peak':>7} {'compile':>8}")
     rows_seen = []  # (config, mode, FLOP/s) for the closing line against the run's best peak
     for name in args.configs.split(","):

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxchat.errors import UserError
-from flaxchat.kernels import Kernels, choose
+from flaxchat.kernels import Kernels, PolarExpress, StepPlan, choose
 from flaxchat.sharding import BATCH, make_mesh, place_identical
 
 
@@ -32,6 +32,8 @@ class Compute:
     backend: str
     compute_dtype: jnp.dtype
     kernels: Kernels  # how the model runs here (flaxchat.kernels): attention, remat, ...
+    polar: PolarExpress  # how Muon orthogonalises here: what the optimizer is built with
+    plan: StepPlan  # how the train step accumulates micro-batches here: what StepLoop holds
 
     @property
     def device_count(self) -> int:
@@ -89,18 +91,20 @@ def resolve_dtype(name: str = "auto") -> jnp.dtype:
 def compute_init(dtype: str = "auto", sharding: str = "dp", attention: str = "auto",
                  grad_checkpoint: bool = False) -> Compute:
     """Join the job, build the mesh, and make this backend's choices once: the compute dtype and
-    the kernels record (`flaxchat.kernels.choose`) every model of the process is built with."""
+    the records (`flaxchat.kernels.choose`) every model, optimizer and step of the process is
+    built with."""
     maybe_initialize_distributed()
     mesh = make_mesh(jax.devices(), sharding)
     compute_dtype = resolve_dtype(dtype)
-    kernels = choose(jax.default_backend(), attention, grad_checkpoint)
+    choice = choose(jax.default_backend(), attention, grad_checkpoint)
     auto = " (auto)" if dtype == "auto" or attention == "auto" else ""
-    print0(f"compute: {jnp.dtype(compute_dtype).name} on {jax.default_backend()}{auto}; {kernels.describe()}")
+    print0(f"compute: {jnp.dtype(compute_dtype).name} on {jax.default_backend()}{auto}; {choice.model.describe()}")
     cache = enable_compilation_cache()
     if cache:
         print0(f"compile cache: {cache}")
     return Compute(mesh=mesh, process_index=jax.process_index(), process_count=jax.process_count(),
-                   backend=jax.default_backend(), compute_dtype=compute_dtype, kernels=kernels)
+                   backend=jax.default_backend(), compute_dtype=compute_dtype, kernels=choice.model,
+                   polar=choice.polar, plan=choice.plan)
 
 
 def compilation_cache_dir() -> str:

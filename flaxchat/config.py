@@ -238,7 +238,7 @@ class TrainConfig(RunConfig):
     warmup_steps: int = flag(40, "LR warmup steps")
     warmdown_ratio: float = flag(0.65, "fraction of the steps over which the LR falls linearly to --final-lr-frac")
     final_lr_frac: float = flag(0.05, "LR at the end of the warmdown, as a fraction of the peak")
-    # auto is the kernels record's choice; `bench.train_throughput --phases` measures them
+    # auto is the backend's PolarExpress record's (flaxchat.kernels); `bench.train_throughput --phases` measures them
     ns_dtype: str = flag("auto", "Muon's orthogonalisation (Polar Express): auto (bf16 on TPU/GPU; on a CPU with bf16 "
                                  "dot instructions bf16-operands on AMD and bf16-products on Intel, fp32 elsewhere), "
                                  "float32, bfloat16, bf16-products (fp32, with two of its three products from bf16 "

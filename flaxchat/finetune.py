@@ -200,14 +200,14 @@ def open_stage(base: str, run_dir: str, *, name: str, steps: int, optim: StageOp
     lrs = base_learning_rates(base_meta)
     schedule = Schedule(max(steps, 1), warmup_steps=0, warmdown_ratio=optim.warmdown_ratio, final_lr_frac=0.0,
                         momentum="finetune", weight_decay="constant")
-    ns_dtype = compute.kernels.ns_dtype  # bf16 on TPU/GPU; on a CPU by its bf16 dot instructions
+    ns_dtype = compute.polar.ns_dtype  # bf16 on TPU/GPU; on a CPU by its bf16 dot instructions
     opt_cfg = OptimConfig(**{k: v for k, v in lrs.items() if k != "weight_decay"}, weight_decay=optim.weight_decay,
                           n_embd=cfg.n_embd, ns_dtype=ns_dtype, lr_frac=optim.lr_frac)
 
     # --- placement: born sharded on the mesh, then the weights restored into those arrays -------
     new_model = lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels)
     model, optimizer, compute, layout = place(compute, sharding, new_model,
-                                              lambda m: make_optimizer(m, opt_cfg, schedule, compute.kernels),
+                                              lambda m: make_optimizer(m, opt_cfg, schedule, compute.polar),
                                               param_count(nnx.eval_shape(new_model)))
     step = 0
     if meta is not None:

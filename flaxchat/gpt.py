@@ -131,11 +131,11 @@ class Block(nnx.Module):
 
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels: Kernels | None = None):
-        """`kernels`: how this backend runs the model (`flaxchat.kernels.choose()`, the backend's
-        defaults, when None); `compute_init(...).kernels` in the scripts."""
+        """`kernels`: how this backend runs the model (`flaxchat.kernels.choose().model`, the
+        backend's defaults, when None); `compute_init(...).kernels` in the scripts."""
         self.config = cfg
         self.dtype = dtype
-        self.kernels = kernels or choose()
+        self.kernels = kernels or choose().model
         V, d, L = cfg.padded_vocab_size, cfg.n_embd, cfg.n_layer
         # Token and value embeddings are stored in bf16 when the model computes in bf16, as nanochat
         # keeps them (their AdamW moments follow): at d20 they are half the parameters, and in fp32

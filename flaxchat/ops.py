@@ -176,8 +176,8 @@ def polar_express(g: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
     iteration is better conditioned; then the Frobenius pre-normalisation with nanochat's x1.01;
     then Polar Express's five fixed-coefficient steps. `dtype` (a dtype or its name): float32, or
     bfloat16 for every product and the iterate (what TPU and GPU run; nanochat runs it in bf16 on
-    GPU). The CPU's forms are `flaxchat.kernels.cpu_muon.polar_express`; the kernels record says
-    which one Muon runs.
+    GPU). The CPU's forms are `flaxchat.kernels.cpu_muon.polar_express`; the backend's
+    `flaxchat.kernels.PolarExpress` says which one Muon runs.
     """
     if isinstance(dtype, str) and dtype not in ("float32", "bfloat16"):
         raise UserError(f"--ns-dtype {dtype} is a CPU form of Polar Express; use float32 or bfloat16 here.")

@@ -97,9 +97,9 @@ class Horizon(nnx.Variable):
     (the checkpoint holds `OptState` only), so old checkpoints load unchanged."""
 
 
-def make_optimizer(model, cfg: "OptimConfig", schedule: Schedule, kernels=None) -> nnx.Optimizer:
+def make_optimizer(model, cfg: "OptimConfig", schedule: Schedule, polar=None) -> nnx.Optimizer:
     """`build_optimizer` over `model`'s parameters, reading the schedule's horizon at run time."""
-    optimizer = nnx.Optimizer(model, build_optimizer(cfg, schedule, kernels), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, build_optimizer(cfg, schedule, polar), wrt=nnx.Param)
     optimizer.horizon = Horizon(schedule.horizon())
     return optimizer
 
@@ -120,9 +120,9 @@ def muon(learning_rate: float, schedule: Schedule, weight_decay: float = 0.0, be
          ns_steps: int = 5, ns_dtype=jnp.float32, orthogonalise=polar_express,
          batched: bool = False) -> optax.GradientTransformation:
     """Muon for the block matrices; `orthogonalise(g, ns_steps, ns_dtype)` is Polar Express in the
-    form the kernels record names (`flaxchat.kernels`).
+    form the backend's record names (`flaxchat.kernels.PolarExpress`).
 
-    `batched` (the record's `muon_batched`): Polar Express and NorMuon run once per group of
+    `batched` (that record's `batched`): Polar Express and NorMuon run once per group of
     same-shape matrices, on their stack (`_stacked_orthogonalise`): one chain of batched products
     per shape instead of one per matrix. Under an fsdp mesh they always do, with the stack split
     over the fsdp axis, so that each device orthogonalises whole matrices."""
@@ -339,18 +339,18 @@ class OptimConfig:
     muon_beta2: float = 0.9  # NorMuon's second-moment decay (nanochat setup_optimizer)
     n_embd: int = 768
     depth: int = 12  # unused: weight decay is scaled by `scaling` (kept so existing callers still build)
-    ns_dtype: str = "float32"  # Polar Express's: float32, bfloat16 or a CPU form; the kernels record's ns_dtype by default
+    ns_dtype: str = "float32"  # Polar Express's: float32, bfloat16 or a CPU form (auto: PolarExpress.ns_dtype)
     ns_steps: int = 5  # Polar Express iterations (0 leaves only the normalisations: for measuring)
     batch_lr_scale: float = 1.0
     lr_frac: float = 1.0
 
 
-def build_optimizer(cfg: OptimConfig, schedule: Schedule, kernels=None) -> optax.GradientTransformation:
+def build_optimizer(cfg: OptimConfig, schedule: Schedule, polar=None) -> optax.GradientTransformation:
     """The full optimizer: a map from group name to transformation, applied by parameter path.
-    Muon runs the Polar Express of `kernels` (a `flaxchat.kernels.Kernels`; default: this backend's)."""
-    if kernels is None:
+    Muon runs `polar` (a `flaxchat.kernels.PolarExpress`; default: this backend's, `choose().polar`)."""
+    if polar is None:
         from flaxchat.kernels import choose
-        kernels = choose()
+        polar = choose().polar
     width = (cfg.n_embd / 768) ** -0.5  # AdamW LRs tuned at d_model 768 (nanochat)
     scale = cfg.batch_lr_scale * cfg.lr_frac
 
@@ -370,7 +370,7 @@ def build_optimizer(cfg: OptimConfig, schedule: Schedule, kernels=None) -> optax
     if cfg.optimizer == "muon":
         groups["matrix"] = muon(cfg.matrix_lr * scale, schedule, weight_decay=cfg.weight_decay,
                                 beta2=cfg.muon_beta2, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
-                                orthogonalise=kernels.polar_express, batched=kernels.muon_batched)
+                                orthogonalise=polar.orthogonalise, batched=polar.batched)
     else:
         # Plain AdamW fallback for the block matrices: a tenth of Muon's LR, standard betas.
         groups["matrix"] = adamw(cfg.matrix_lr * 0.1 * scale, 0.9, 0.95, 0.0)

@@ -6,7 +6,8 @@ in memory at once (and on a CPU small micro-batches keep activations in cache: 2
 tokens ran at ~55% MFU where one batch of 32 rows ran at ~31% on a 2-core AVX-512 CPU). Targets < 0
 are ignored (SFT's loss mask). The loss is the mean over counted tokens of the whole step, so
 gradient accumulation gives the same update as one big batch. How the scan runs (micro-batches side
-by side, a lone one in halves, one flat all-reduce) is the model's kernels record's choice.
+by side, a lone one in halves, one flat all-reduce) is the step's plan (`flaxchat.kernels.StepPlan`,
+the backend's unless given).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import ops
 from flaxchat.gpt import GPT
+from flaxchat.kernels import StepPlan, choose
 from flaxchat.sharding import BATCH, data_parallel_mesh
 
 
@@ -51,18 +53,17 @@ def _micro_loss(params, graphdef, rest, inputs, targets, weights=None):
     return loss_sum_for_gradients(model, inputs, targets, weights), jnp.sum(targets >= 0)
 
 
-def _halved(batches: tuple, kernels) -> tuple:
-    """(1, B, ...) micro-batch arrays as (2, B/2, ...) where the kernels record halves a lone one."""
+def _halved(batches: tuple, plan: StepPlan) -> tuple:
+    """(1, B, ...) micro-batch arrays as (2, B/2, ...) where the plan halves a lone one."""
     count, rows = batches[0].shape[:2]
-    if count != 1 or rows % 2 or not kernels.halve_lone_micro_batch:
+    if count != 1 or rows % 2 or not plan.halve_lone_micro_batch:
         return batches
     return tuple(b.reshape(2, rows // 2, *b.shape[2:]) for b in batches)
 
 
-def _gradient_sums(graphdef, kernels, params, rest, batches):
+def _gradient_sums(graphdef, plan: StepPlan, params, rest, batches):
     """(gradient sums, loss sum, counted tokens) over the leading axis of `batches` (lax.scan), as
-    many micro-batches at a time as the kernels record's scan_unroll (a lone one in halves where
-    it says so)."""
+    many micro-batches at a time as the plan's scan_unroll (a lone one in halves where it says so)."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def accumulate(carry, batch):
@@ -72,18 +73,18 @@ def _gradient_sums(graphdef, kernels, params, rest, batches):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-    return jax.lax.scan(accumulate, init, _halved(batches, kernels), unroll=kernels.scan_unroll)[0]
+    return jax.lax.scan(accumulate, init, _halved(batches, plan), unroll=plan.scan_unroll)[0]
 
 
-def _device_sums_then_one_reduce(graphdef, kernels, mesh):
+def _device_sums_then_one_reduce(graphdef, plan: StepPlan, mesh):
     """`_gradient_sums` per device on its own rows, then one all-reduce after the scan. Left to the
     partitioner, the sums of replicated parameters' gradients are reduced inside the scan, once per
-    micro-batch. The gradients go as one flat buffer where the kernels record says so (CPUs, where
+    micro-batch. The gradients go as one flat buffer where the plan says so (CPUs, where
     gloo all-reduced 35 arrays 3.5x slower than one buffer of their bytes)."""
-    flat_buffer = kernels.flat_gradient_reduce
+    flat_buffer = plan.flat_gradient_reduce
 
     def local(params, rest, batches):
-        grads, loss_sum, count = _gradient_sums(graphdef, kernels, params, rest, batches)
+        grads, loss_sum, count = _gradient_sums(graphdef, plan, params, rest, batches)
         if not flat_buffer:
             return jax.lax.psum((grads, loss_sum, count), BATCH)
         flat, unflatten = ravel_pytree(grads)
@@ -93,16 +94,17 @@ def _device_sums_then_one_reduce(graphdef, kernels, mesh):
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(None, BATCH)), out_specs=P(), check_vma=False)
 
 
-def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, normalise: bool = True):
-    """Sum gradients over the leading axis of `batches`, average over counted tokens (or not, when
-    the weights already normalise), update once; returns the loss. In the dp layout over several
-    devices each device sums its own rows and one all-reduce follows the scan."""
+def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, plan: StepPlan,
+                      normalise: bool = True):
+    """Sum gradients over the leading axis of `batches` as `plan` says, average over counted tokens
+    (or not, when the weights already normalise), update once; returns the loss. In the dp layout
+    over several devices each device sums its own rows and one all-reduce follows the scan."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     mesh = data_parallel_mesh()
     if mesh is not None:
-        sums = _device_sums_then_one_reduce(graphdef, model.kernels, mesh)
+        sums = _device_sums_then_one_reduce(graphdef, plan, mesh)
     else:
-        sums = partial(_gradient_sums, graphdef, model.kernels)
+        sums = partial(_gradient_sums, graphdef, plan)
     grads, loss_sum, count = sums(params, rest, batches)
     denom = jnp.maximum(count, 1).astype(jnp.float32) if normalise else jnp.ones([], jnp.float32)
     # Back in each parameter's dtype: a bf16 table's gradient over an fp32 count would be fp32, and
@@ -113,15 +115,17 @@ def _accumulated_step(model: GPT, optimizer: nnx.Optimizer, batches: tuple, norm
     return loss_sum / denom
 
 
-@nnx.jit(donate_argnames=("model", "optimizer"))
-def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array):
-    """One optimizer step over micro-batches inputs/targets (A, B, T). Returns the mean loss.
+@nnx.jit(donate_argnames=("model", "optimizer"), static_argnames=("plan",))
+def train_step(model: GPT, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array,
+               plan: StepPlan | None = None):
+    """One optimizer step over micro-batches inputs/targets (A, B, T), accumulated as `plan` says
+    (default: this backend's, `flaxchat.kernels.choose().plan`). Returns the mean loss.
 
     A plain call walks the model and optimizer graph in Python every step, 14 ms a step at depth 4
     (84 arrays; 5-8 ms through `nnx.cached_partial`) on a 2-core CPU, where that time is taken
     from the two cores training; a training loop calls `StepLoop` instead (~1 ms).
     """
-    return _accumulated_step(model, optimizer, (inputs, targets))
+    return _accumulated_step(model, optimizer, (inputs, targets), plan or choose().plan)
 
 
 class StepLoop:
@@ -132,19 +136,23 @@ class StepLoop:
     4.4-4.8 ms a step at depth 4 on a 2-core CPU, against ~1 ms for a list of arrays (docs/cpu.md).
     Between calls `model` and `optimizer` hold the arrays the last call donated; `sync()` writes the
     current ones back, and `flaxchat.loop.Loop` calls it before every hook and save (a missed
-    `sync()` fails loudly: donated arrays are deleted, not stale). `normalise=False` (RL's policy
-    step): the weights given with each batch carry the whole normalisation.
+    `sync()` fails loudly: donated arrays are deleted, not stale). `plan`: how the step accumulates
+    (`compute_init(...).plan` in the scripts; default: this backend's, `flaxchat.kernels.choose().plan`).
+    `normalise=False` (RL's policy step): the weights given with each batch carry the whole
+    normalisation.
     """
 
-    def __init__(self, model: GPT, optimizer: nnx.Optimizer, normalise: bool = True):
+    def __init__(self, model: GPT, optimizer: nnx.Optimizer, *, plan: StepPlan | None = None,
+                 normalise: bool = True):
         self.objects = (model, optimizer)
+        self.plan = plan = plan or choose().plan
         graphdef, state = nnx.split(self.objects)
         self.arrays, self.treedef = jax.tree.flatten(state)
         self.synced = True
 
         def step(arrays, *batches):
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(self.treedef, arrays))
-            loss = _accumulated_step(model, optimizer, batches, normalise=normalise)
+            loss = _accumulated_step(model, optimizer, batches, plan, normalise=normalise)
             out = jax.tree.leaves(nnx.state((model, optimizer)))
             check_same_types(arrays, out, self.treedef)
             return out, loss

@@ -134,7 +134,7 @@ def _run(tc: TrainConfig) -> dict:
     scale_lrs = batch_scaling_applies(tc.lr_batch_scaling, tc.total_batch_size, passes)
     if passes is not None:
         print0(f"data: {steps * total / 1e6:.1f}M tokens read the training text about {passes:.1f} time(s)")
-    ns_dtype = compute.kernels.ns_dtype if tc.ns_dtype == "auto" else tc.ns_dtype
+    ns_dtype = compute.polar.ns_dtype if tc.ns_dtype == "auto" else tc.ns_dtype
     opt_cfg = OptimConfig(optimizer=tc.optimizer, matrix_lr=tc.matrix_lr, embedding_lr=tc.embedding_lr,
                           unembedding_lr=tc.unembedding_lr, scalar_lr=tc.scalar_lr, weight_decay=rule.weight_decay,
                           adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, n_embd=model_cfg.n_embd,
@@ -151,7 +151,7 @@ def _run(tc: TrainConfig) -> dict:
         return model
 
     model, optimizer, compute, layout = place(compute, tc.sharding, make_model,
-                                              lambda m: make_optimizer(m, opt_cfg, schedule, compute.kernels), n_params)
+                                              lambda m: make_optimizer(m, opt_cfg, schedule, compute.polar), n_params)
     per_device = sharding.bytes_per_device(nnx.state(model, nnx.Param))
     print0(f"sharding: {layout} over {compute.device_count} device(s); parameters per device "
            f"{max(per_device.values()) / 2**20:.1f} MiB of {4 * n_params / 2**20:.1f} MiB")
@@ -226,7 +226,7 @@ def _run(tc: TrainConfig) -> dict:
         metrics.note(kind="sample", step=at, samples=texts)
 
     # --- training loop ----------------------------------------------------------------------------
-    trainer = StepLoop(model, optimizer)
+    trainer = StepLoop(model, optimizer, plan=compute.plan)
     progress = Progress("pretrain", steps=steps, process=compute.process_index, run_dir=tc.run_dir)
     progress.update(step, force=True)
     loop = Loop("pretrain", steps, start=step, trainer=trainer, save=save, checkpointer=checkpointer,

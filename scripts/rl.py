@@ -181,7 +181,7 @@ def _run(cfg: RLConfig) -> dict:
     def save(at):
         stage.save(at, rl_config=dataclasses.asdict(cfg), evals=evals, base=paths.absolute(cfg.base), stage="rl")
 
-    trainer = StepLoop(model, stage.optimizer, normalise=False)  # the weights carry the normalisation
+    trainer = StepLoop(model, stage.optimizer, plan=compute.plan, normalise=False)  # the weights carry the normalisation
     meter = Meter(cfg.steps)  # the ETA's rate: one step's time swings with its rollouts
     loop = stage.loop(cfg, cfg.steps, trainer, save, meter)
     loop.every(cfg.log_every, log_line)

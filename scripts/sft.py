@@ -171,7 +171,7 @@ def _run(cfg: SFTConfig) -> dict:
 
     # --- training loop ---------------------------------------------------------------------------
     metrics = stage.metrics_log(cfg)  # --tracker: W&B/TensorBoard get every line too
-    trainer = StepLoop(model, stage.optimizer)
+    trainer = StepLoop(model, stage.optimizer, plan=compute.plan)
     meter = Meter(steps, tokens_per_step=cfg.grad_accum * rows * T, smoothing=0.8)
     loop = stage.loop(cfg, steps, trainer, save, meter)
     loop.every(cfg.log_every, log_line)

@@ -110,7 +110,7 @@ def test_splash_interpret_equals_reference(dtype, window):
 def test_splash_pads_a_sequence_that_is_not_whole_tiles():
     """--attention splash (and a TPU's prefill of any prompt length) pads to whole 128-lane tiles:
     T=200 runs as 256, the padded keys after every real query, so the numbers are the reference's."""
-    _check(lambda q, k, v, w: kernels.choose("cpu", "splash").attention(q, k, v, w, 128), 1, 200, 4, 2, 32, 200,
+    _check(lambda q, k, v, w: kernels.choose("cpu", "splash").model.attention(q, k, v, w, 128), 1, 200, 4, 2, 32, 200,
            jnp.float32)
 
 
@@ -124,13 +124,14 @@ def test_the_kernels_record_picks_by_backend(capsys):
     """One choice per backend, made in one place: auto is splash on TPU, cuDNN on GPU (cuda and
     rocm too), blockwise on CPU; a named kernel runs on any backend; the record is cached (one jit
     per record) and says what it is; compute_init makes it once and prints it."""
-    assert kernels.choose("tpu").attention_name == "splash"
-    assert kernels.choose("gpu").attention_name == kernels.choose("cuda").attention_name == "cudnn"
-    assert kernels.choose("cpu").attention_name == "blockwise"
-    assert kernels.choose("tpu", "xla").attention_name == "xla"
+    assert kernels.choose("tpu").model.attention_name == "splash"
+    assert kernels.choose("gpu").model.attention_name == kernels.choose("cuda").model.attention_name == "cudnn"
+    assert kernels.choose("cpu").model.attention_name == "blockwise"
+    assert kernels.choose("tpu", "xla").model.attention_name == "xla"
     assert kernels.choose("cpu") is kernels.choose("cpu")
-    assert kernels.choose("cpu", grad_checkpoint=True).remat is not None and kernels.choose("cpu").remat is None
-    assert kernels.choose("tpu").ns_dtype == "bfloat16" and kernels.choose("tpu").scan_unroll == 1
+    assert kernels.choose("cpu", grad_checkpoint=True).model.remat is not None
+    assert kernels.choose("cpu").model.remat is None
+    assert kernels.choose("tpu").polar.ns_dtype == "bfloat16" and kernels.choose("tpu").plan.scan_unroll == 1
     assert kernels.attention_names() == ("auto", "blockwise", "cudnn", "splash", "xla")
     with pytest.raises(UserError, match="--attention must be one of auto, blockwise, cudnn, splash, xla"):
         kernels.choose("cpu", "flash")
@@ -139,7 +140,8 @@ def test_the_kernels_record_picks_by_backend(capsys):
     from flaxchat.common import compute_init
     compute = compute_init("auto", attention="xla", grad_checkpoint=True)
     backend = jax.default_backend()
-    assert compute.kernels is kernels.choose(backend, "xla", True)
+    chosen = kernels.choose(backend, "xla", True)
+    assert (compute.kernels, compute.polar, compute.plan) == (chosen.model, chosen.polar, chosen.plan)
     dtype = "float32" if backend == "cpu" else "bfloat16"
     assert capsys.readouterr().out == (f"compute: {dtype} on {backend} (auto); kernels: {backend}, attention xla, "
                                        "remat (--grad-checkpoint)\n")
@@ -158,7 +160,7 @@ def test_the_attention_registry_takes_a_backend_files_kernel(monkeypatch):
     monkeypatch.setitem(tpu.ATTENTION, "mine", mine)
     assert "mine" in kernels.attention_names()
     cfg = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
-    model = GPT(cfg, rngs=nnx.Rngs(0), kernels=kernels.choose("cpu", "mine"))
+    model = GPT(cfg, rngs=nnx.Rngs(0), kernels=kernels.choose("cpu", "mine").model)
     model(jnp.zeros((1, 16), jnp.int32))
     assert calls == [(1, 16, 2, 16)]
 
@@ -171,7 +173,7 @@ def test_model_kernels_agree():
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 32)), jnp.int32)
     out = {}
     for name in ("blockwise", "xla"):
-        model = GPT(cfg, rngs=nnx.Rngs(0), kernels=kernels.choose(attention=name))
+        model = GPT(cfg, rngs=nnx.Rngs(0), kernels=kernels.choose(attention=name).model)
         # jitted: eagerly every op compiles as its own program (45 s on a cold compilation cache)
         out[name] = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(idx) ** 2)))(model)
     np.testing.assert_allclose(out["blockwise"][0], out["xla"][0], rtol=1e-5)
@@ -192,7 +194,7 @@ def _train_step_memory(T, rows, grad_checkpoint=False, n_layer=2):
     cfg = GPTConfig(sequence_len=T, vocab_size=256, n_layer=n_layer, n_head=2, n_kv_head=2, n_embd=64,
                     window_pattern="L")
     tx = build_optimizer(OptimConfig(optimizer="adamw", n_embd=64), Schedule(10))
-    record = kernels.choose("cpu", "blockwise", grad_checkpoint)
+    record = kernels.choose("cpu", "blockwise", grad_checkpoint).model
 
     def make():
         model = GPT(cfg, rngs=nnx.Rngs(0), kernels=record)

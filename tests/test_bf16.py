@@ -62,11 +62,11 @@ def compiles():
 def _bf16_state(depth=2, total_steps=20, seq=32):
     compute = compute_init("bfloat16").with_sharding("dp")
     cfg = config_for_depth(depth, vocab_size=256, sequence_len=seq)
-    opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=compute.kernels.ns_dtype)
+    opt_cfg = OptimConfig(n_embd=cfg.n_embd, ns_dtype=compute.polar.ns_dtype)
     with jax.set_mesh(compute.mesh):
         model, optimizer = sharding.create_sharded(
             lambda: GPT(cfg, rngs=nnx.Rngs(0), dtype=compute.compute_dtype, kernels=compute.kernels),
-            lambda m: make_optimizer(m, opt_cfg, Schedule(total_steps), compute.kernels), compute.mesh)
+            lambda m: make_optimizer(m, opt_cfg, Schedule(total_steps), compute.polar), compute.mesh)
     return compute, cfg, model, optimizer
 
 

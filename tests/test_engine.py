@@ -94,7 +94,7 @@ def test_prefill_runs_the_kernel_of_the_models_record(model):
     idx = jnp.asarray(np.random.default_rng(3).integers(0, 512, (1, 128)), jnp.int32)
     out, seen = {}, []
     for name in ("splash", "blockwise"):
-        record = kernels.choose("cpu", name)
+        record = kernels.choose("cpu", name).model
         traced = lambda q, k, v, w, b, record=record: seen.append(record.attention_name) or record.attention(q, k, v, w, b)
         spy = dataclasses.replace(record, attention=traced)
 

@@ -45,7 +45,7 @@ def test_the_fused_loss_and_its_gradients_equal_the_plain_ones(monkeypatch, dtyp
 
 def test_a_model_with_the_fused_head_gets_the_plain_models_loss_and_gradients():
     cfg = GPTConfig(sequence_len=32, vocab_size=203, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, window_pattern="L")
-    fused = dataclasses.replace(choose("cpu", "xla"), head_loss=fused_loss.softcap_loss_sum)
+    fused = dataclasses.replace(choose("cpu", "xla").model, head_loss=fused_loss.softcap_loss_sum)
     tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 203)
     x, y = tokens[:, :-1], tokens[:, 1:].at[0, :5].set(-1)  # masked targets, as SFT's
 
@@ -61,7 +61,7 @@ def test_a_model_with_the_fused_head_gets_the_plain_models_loss_and_gradients():
             return jax.jit(jax.value_and_grad(f))(params)
 
     for tied in (False, True):
-        (want, gw), (got, gf) = loss_and_grads(choose("cpu", "xla"), tied), loss_and_grads(fused, tied)
+        (want, gw), (got, gf) = loss_and_grads(choose("cpu", "xla").model, tied), loss_and_grads(fused, tied)
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
         scale = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(gw)))
         for a, b in zip(jax.tree.leaves(gf), jax.tree.leaves(gw)):

@@ -235,7 +235,7 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype):
         logits = m(x, attend=lambda i, q, k, v, w: ops.reference_attention(q, k, v, w))
         return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
-    assert model.kernels is kernels.choose()  # this backend's: on a CPU the hand-written backwards
+    assert model.kernels is kernels.choose().model  # this backend's: on a CPU the hand-written backwards
     # bf16 programs at the default matmul precision (an accelerator's suite runs at "highest", at
     # which Pallas cannot lower a TPU kernel's bf16 dots); the fp32 reference at the suite's own
     bf16 = jax.default_matmul_precision("default") if dtype == jnp.bfloat16 else contextlib.nullcontext()
@@ -284,7 +284,7 @@ def test_forward_is_deterministic_and_remat_is_exact():
     a, b = forward(model, idx), forward(model, idx)
     np.testing.assert_array_equal(a, b)
     for backend in ("cpu", "tpu"):  # the CPU's remat, and nnx.remat (what TPU and GPU run)
-        remat = _nonzero_model(TINY, kernels=kernels.choose(backend, "blockwise", grad_checkpoint=True))
+        remat = _nonzero_model(TINY, kernels=kernels.choose(backend, "blockwise", grad_checkpoint=True).model)
         np.testing.assert_allclose(forward(remat, idx), a, rtol=1e-6, atol=1e-6)
 
 

@@ -203,8 +203,8 @@ def test_batched_muon_equals_the_per_matrix_muon(dtype):
 def test_the_record_batches_muon_on_accelerators_and_not_on_a_cpu():
     """TPU and GPU run Muon batched (the MXU's big batched products); the CPU's single-device step
     keeps its tuned per-matrix forms."""
-    assert kernels.choose("tpu").muon_batched and kernels.choose("gpu").muon_batched
-    assert not kernels.choose("cpu").muon_batched and not kernels.portable().muon_batched
+    assert kernels.choose("tpu").polar.batched and kernels.choose("gpu").polar.batched
+    assert not kernels.choose("cpu").polar.batched
 
 
 def _eqns(jaxpr):
@@ -216,14 +216,14 @@ def _eqns(jaxpr):
             yield from _eqns(sub)
 
 
-def test_build_optimizer_batches_muon_as_the_kernels_record_says():
-    """The record's muon_batched reaches Muon: batched products (dot_generals with a batch
+def test_build_optimizer_batches_muon_as_the_polar_record_says():
+    """The PolarExpress record's batched reaches Muon: batched products (dot_generals with a batch
     dimension) where it is set, none where not (test_batched_muon_equals_the_per_matrix_muon holds
     the two to the same update)."""
     import dataclasses
     params = nnx.state(GPT(CFG, rngs=nnx.Rngs(0)), nnx.Param)
     for batched in (False, True):
-        record = dataclasses.replace(kernels.choose("cpu"), muon_batched=batched)
+        record = dataclasses.replace(kernels.choose("cpu").polar, batched=batched)
         tx = build_optimizer(OptimConfig(n_embd=32, ns_dtype="float32"), Schedule(30), record)
         jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
         dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
@@ -314,8 +314,8 @@ def test_orthogonalisation_dtype_is_chosen_by_what_the_machine_is():
     from flaxchat import kernels
     from flaxchat.kernels.cpu import cpu_has_bf16_dots, orthogonalisation_dtype
     from flaxchat.kernels.cpu_muon import BF16_OPERANDS, BF16_PRODUCTS
-    assert kernels.choose("tpu").ns_dtype == kernels.choose("gpu").ns_dtype == "bfloat16"
-    assert kernels.choose("cpu").ns_dtype == orthogonalisation_dtype()
+    assert kernels.choose("tpu").polar.ns_dtype == kernels.choose("gpu").polar.ns_dtype == "bfloat16"
+    assert kernels.choose("cpu").polar.ns_dtype == orthogonalisation_dtype()
     zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
     sapphire_rapids = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16 amx_tile\n"
     skylake = "vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512bw avx512_vnni\n"
@@ -418,9 +418,10 @@ def test_ns_dtype_reaches_the_optimizer_and_a_bad_one_is_one_sentence():
     losses = {}
     cpu = kernels.choose("cpu")  # the CPU's Polar Express forms (bf16-products is one), on any backend
     for dt in ("float32", "bf16-products"):
-        model = GPT(CFG, rngs=nnx.Rngs(0), kernels=cpu)
-        opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, ns_dtype=dt), Schedule(30), cpu), wrt=nnx.Param)
-        losses[dt] = [float(train_step(model, opt, x, jnp.roll(x, -1, -1))) for _ in range(5)]
+        model = GPT(CFG, rngs=nnx.Rngs(0), kernels=cpu.model)
+        opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=32, ns_dtype=dt), Schedule(30), cpu.polar),
+                            wrt=nnx.Param)
+        losses[dt] = [float(train_step(model, opt, x, jnp.roll(x, -1, -1), plan=cpu.plan)) for _ in range(5)]
     assert losses["float32"][0] == losses["bf16-products"][0]  # the same model before any update
     assert losses["float32"][4] != losses["bf16-products"][4]  # the dtype did reach Muon
     assert abs(losses["float32"][4] - losses["bf16-products"][4]) < 1e-3 * losses["float32"][4]

@@ -253,10 +253,10 @@ def test_side_by_side_micro_batches_are_chosen_by_the_backend_and_cpu():
     from flaxchat import kernels
     from flaxchat.kernels.cpu import halves_a_lone_micro_batch
     intel, amd = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_bf16\n", "vendor_id\t: AuthenticAMD\nflags\t\t: avx512f\n"
-    assert kernels.choose("cpu").scan_unroll == 2 and kernels.choose("cpu").flat_gradient_reduce
+    assert kernels.choose("cpu").plan.scan_unroll == 2 and kernels.choose("cpu").plan.flat_gradient_reduce
     for backend in ("tpu", "gpu"):  # memory binds there; XLA's all-reduce combiner merges the arrays
-        record = kernels.choose(backend)
-        assert (record.scan_unroll, record.halve_lone_micro_batch, record.flat_gradient_reduce) == (1, False, False)
+        plan = kernels.choose(backend).plan
+        assert (plan.scan_unroll, plan.halve_lone_micro_batch, plan.flat_gradient_reduce) == (1, False, False)
     assert halves_a_lone_micro_batch(amd)
     assert not halves_a_lone_micro_batch(intel)  # measured no faster there
     assert not halves_a_lone_micro_batch("")
@@ -266,8 +266,6 @@ def test_side_by_side_micro_batches_are_chosen_by_the_backend_and_cpu():
 def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows, halves):
     """Micro-batches two at a time, and a lone one in halves, give the sums one whole micro-batch at
     a time gives, to float rounding; an odd count, and an odd number of rows (kept whole), work."""
-    import dataclasses
-
     import flaxchat.train as train
     from flaxchat import kernels
     cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
@@ -280,8 +278,8 @@ def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows, halve
     monkeypatch.setattr(jax.lax, "scan", lambda f, init, xs, **kw: scanned.append(xs[0].shape) or real_scan(f, init, xs, **kw))
     out = {}
     for side in (1, 2):
-        record = dataclasses.replace(kernels.choose("cpu"), scan_unroll=side, halve_lone_micro_batch=side > 1 and halves)
-        out[side] = jax.jit(lambda p, r, b: train._gradient_sums(graphdef, record, p, r, b))(params, rest, (x, y))
+        plan = kernels.StepPlan(scan_unroll=side, halve_lone_micro_batch=side > 1 and halves)
+        out[side] = jax.jit(lambda p, r, b: train._gradient_sums(graphdef, plan, p, r, b))(params, rest, (x, y))
     split = halves and count == 1 and rows % 2 == 0
     assert scanned == [(count, rows, 32), (2, rows // 2, 32) if split else (count, rows, 32)]
     (g1, l1, n1), (g2, l2, n2) = out[1], out[2]
@@ -289,6 +287,30 @@ def test_gradient_sums_are_the_same_side_by_side(monkeypatch, count, rows, halve
     assert float(l2) == pytest.approx(float(l1), rel=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_the_step_holds_the_plan_and_the_model_only_its_kernels(monkeypatch):
+    """The step's plan reaches the scan from StepLoop (this backend's when none is given); the model
+    carries neither the plan nor Muon's settings, so neither can reach it."""
+    import dataclasses
+
+    from flaxchat import kernels
+    from flaxchat.optim import OptimConfig, Schedule, build_optimizer
+    from flaxchat.train import StepLoop
+    fields = lambda record: {f.name for f in dataclasses.fields(record)}
+    assert not fields(kernels.Kernels) & (fields(kernels.StepPlan) | fields(kernels.PolarExpress))
+    cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, build_optimizer(OptimConfig(n_embd=64), Schedule(10)), wrt=nnx.Param)
+    assert StepLoop(model, opt).plan is kernels.choose().plan
+    x = np.zeros((1, 4, 32), np.int32)
+    scanned = []
+    real_scan = jax.lax.scan
+    monkeypatch.setattr(jax.lax, "scan", lambda f, init, xs, **kw: scanned.append((xs[0].shape, kw.get("unroll")))
+                        or real_scan(f, init, xs, **kw))
+    for plan in (kernels.StepPlan(), kernels.StepPlan(scan_unroll=2, halve_lone_micro_batch=True)):
+        StepLoop(model, opt, plan=plan).lower(x, x)
+    assert scanned == [((1, 4, 32), 1), ((2, 2, 32), 2)]
 
 
 def test_step_loop_trains_exactly_as_train_step_and_hands_back_its_arrays_on_sync():

@@ -9,7 +9,7 @@ depend on the dtypes measured. At each step in --at, every matrix Muon orthogona
 Muon's update sees it (the step's gradient lerped towards the Nesterov momentum buffer) and run
 through `kernels.cpu_muon.polar_express` in each dtype. The table gives, per matrix shape in the kernel layout
 (in, out), the median and the largest relative Frobenius difference to the standard iteration in
-float64. The dtype this machine's kernels record picks is starred.
+float64. The dtype this machine's PolarExpress record picks is starred.
 
 Text-trained gradients are far from well conditioned (the smallest singular value of a c_proj
 gradient was ~2e-4 of its largest after 5 steps), and that is where the bf16 forms lose accuracy:
@@ -140,7 +140,7 @@ def main(argv=None):
     from bench.train_throughput import cpu_line
     from flaxchat.kernels import choose
     print(cpu_line())
-    default = choose().ns_dtype
+    default = choose().polar.ns_dtype
     table = measure(muon_inputs(args.depth, at, log=lambda line: print(line, flush=True)))
     print("relative Frobenius difference to float64's standard iteration, median (largest) over the matrices of a "
           f"shape; * = this machine's default ({default})")

@@ -39,24 +39,26 @@ def losses(steps: int, rows: int, accum: int, seed: int = 0, ns_dtype: str = "fl
     from flaxchat.train import train_step
 
     cfg = config_for_depth(4, vocab_size=4096, sequence_len=256)
-    kernels = {}
+    kernels, polar = {}, ()
     try:  # a checkout from before flaxchat.kernels (the base side of bench.cpu.before_after) runs --out
         from flaxchat.kernels import choose
-        record = choose()
+        chosen = choose()
+        # a Choice of the model's, Muon's and the step's records; before they were split, one record
+        record, polar = getattr(chosen, "model", chosen), (getattr(chosen, "polar", chosen),)
         if ulps:  # the loss's logits nudged by (1 + ulps·2⁻²³)
             scale, loss = 1.0 + ulps * 2.0 ** -23, record.cross_entropy
             record = dataclasses.replace(record, cross_entropy=lambda z, labels, cap: loss(z * scale, labels, cap))
         kernels = dict(kernels=record)
     except ImportError:
-        record = None
+        pass
     model = GPT(cfg, rngs=nnx.Rngs(seed), **kernels)
     if ns_dtype == "auto":
-        if record is not None:
-            ns_dtype = record.ns_dtype
+        if polar:
+            ns_dtype = polar[0].ns_dtype
         else:
             from flaxchat.optim import orthogonalisation_dtype
             ns_dtype = orthogonalisation_dtype(jax.default_backend())
-    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000), **kernels)
+    tx = build_optimizer(OptimConfig(optimizer="muon", n_embd=cfg.n_embd, ns_dtype=ns_dtype), Schedule(1000), *polar)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(seed)
     # A Zipf-like token distribution, so the model has something to learn in 20 steps.

@@ -1,20 +1,29 @@
-"""How this backend runs the model: one record of kernels, chosen once per process.
+"""How this backend runs training: its choices, made once per process, one record per reader.
 
-    k = kernels.choose()                               # what the running backend does best
-    k = kernels.choose(attention="xla", grad_checkpoint=True)
-    model = GPT(cfg, rngs=..., kernels=k)              # compute_init(...).kernels in the scripts
+    c = kernels.choose()                               # what the running backend does best
+    c = kernels.choose(attention="xla", grad_checkpoint=True)
+    model = GPT(cfg, rngs=..., kernels=c.model)        # compute_init(...).kernels in the scripts
+    tx = optim.build_optimizer(opt_cfg, schedule, c.polar)          # compute.polar
+    step = train.StepLoop(model, nnx.Optimizer(model, tx, wrt=nnx.Param), plan=c.plan)  # compute.plan
 
-The record (`Kernels`) holds every choice that changes how, never what, the model computes:
-attention, the linear layer, rotary + QK-norm, the capped cross-entropy, remat, how the train step
-accumulates micro-batches, and Polar Express's form and whether it runs batched over same-shape
-matrices. The model keeps it (a static attribute, so a jitted function compiled for one record is
-never reused for another); the train step, the engine and the optimizer take it from there or
-from `compute_init`. Export uses `portable()`, plain XLA ops every runtime converts.
+`choose` returns a `Choice` of three records, each holding choices that change how, never what,
+its reader computes:
 
-One file per backend holds its choices: `tpu.py` (Pallas splash attention), `gpu.py` (cuDNN flash
-attention), `cpu.py` (the XLA:CPU forms: stored transposes, hand-written backwards, the malloc
-tuning of training processes), with the CPU's attention in `cpu_attention.py` and its Polar Express
-forms in `cpu_muon.py`. `flaxchat.ops` keeps the plain math they all compute.
+* `Kernels` (`.model`): attention, the linear layer, rotary + QK-norm, the capped cross-entropy,
+  remat. The model keeps it (a static attribute, so a jitted function compiled for one record is
+  never reused for another); the loss and the engine read it off the model.
+* `PolarExpress` (`.polar`): Muon's orthogonalisation, its dtype when --ns-dtype is auto, and
+  whether it runs batched over same-shape matrices. The optimizer is built with it.
+* `StepPlan` (`.plan`): how the train step accumulates micro-batches (side by side, a lone one in
+  halves, one flat all-reduce). The step holds it (`flaxchat.train.StepLoop`, `train_step`).
+
+Export uses `portable()`, a model's kernels of plain XLA ops every runtime converts.
+
+One file per backend holds its choices, its `choice` building the three records: `tpu.py` (Pallas
+splash attention), `gpu.py` (cuDNN flash attention), `cpu.py` (the XLA:CPU forms: stored
+transposes, hand-written backwards, the accumulation's plan, the malloc tuning of training
+processes), with the CPU's attention in `cpu_attention.py` and its Polar Express forms in
+`cpu_muon.py`. `flaxchat.ops` keeps the plain math they all compute.
 
 Adding an attention kernel: write `fn(q, k, v, window, block) -> y` (q (B,T,H,D), k/v (B,T,Hkv,D),
 keys max(0, t-window+1) .. t; `block` is the model's attention block, which a kernel with its own
@@ -29,7 +38,7 @@ import functools
 import os
 from typing import Callable
 
-from flaxchat.kernels.record import Kernels  # noqa: F401 (flaxchat.kernels.Kernels)
+from flaxchat.kernels.record import Choice, Kernels, PolarExpress, StepPlan  # noqa: F401 (flaxchat.kernels.X)
 
 BACKENDS = ("cpu", "gpu", "tpu")
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
@@ -67,10 +76,10 @@ def _xla(q, k, v, window, block):
 
 
 @functools.lru_cache(maxsize=None)
-def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False) -> Kernels:
-    """The record for `backend` (default: JAX's) with attention `attention` (auto: the backend's
+def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False) -> Choice:
+    """The records for `backend` (default: JAX's) with attention `attention` (auto: the backend's
     default; any named kernel runs anywhere, a TPU kernel off TPU in Pallas's slow interpret mode)
-    and remat when `grad_checkpoint`. The same arguments give the same record (cached)."""
+    and remat when `grad_checkpoint`. The same arguments give the same records (cached)."""
     import jax
 
     from flaxchat.errors import UserError
@@ -81,17 +90,16 @@ def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint:
     table = attention_kernels()
     if name not in table:
         raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {attention!r}).")
-    return module.kernels(name, table[name], grad_checkpoint)
+    return module.choice(name, table[name], grad_checkpoint)
 
 
 @functools.lru_cache(maxsize=None)
 def portable() -> Kernels:
-    """Plain XLA ops and dense attention: what an exported program (StableHLO, TFLite) is made of."""
+    """A model's kernels of plain XLA ops and dense attention: what an exported program (StableHLO,
+    TFLite) is made of."""
     from flaxchat import ops
-    from flaxchat.ops import polar_express
     return Kernels(backend="portable", attention_name="xla", attention=_xla, matmul=ops.matmul,
-                   rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
-                   polar_express=polar_express, ns_dtype="float32")
+                   rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy)
 
 
 def runs_on_cpu() -> bool:

@@ -38,19 +38,19 @@ def _blockwise(q, k, v, window, block):
 ATTENTION = {"blockwise": _blockwise}  # the kernels this file adds to --attention
 
 
-def kernels(attention_name: str, attention, grad_checkpoint: bool):
-    """The CPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
-    from flaxchat.kernels.record import Kernels
+def choice(attention_name: str, attention, grad_checkpoint: bool):
+    """The CPU's records (`flaxchat.kernels.Choice`) with the given attention."""
     from flaxchat.kernels.cpu_muon import polar_express
-    return Kernels(backend="cpu", attention_name=attention_name, attention=attention, matmul=matmul,
-                   rotary_rms_norm=rotary_rms_norm, cross_entropy=softcap_cross_entropy,
-                   polar_express=polar_express, ns_dtype=orthogonalisation_dtype(),
-                   # One matrix at a time: Muon at depth 4 (26 matrices, bf16-operands) took 285 ms
-                   # per-matrix against 339 batched (medians of 40 interleaved rounds, shared 2-core
-                   # AMD EPYC); the CPU forms' stored transposes and Gram forms are tuned per matrix.
-                   muon_batched=False,
-                   remat=remat_block if grad_checkpoint else None, scan_unroll=SIDE_BY_SIDE,
-                   halve_lone_micro_batch=halves_a_lone_micro_batch(), flat_gradient_reduce=True)
+    from flaxchat.kernels.record import Choice, Kernels, PolarExpress, StepPlan
+    model = Kernels(backend="cpu", attention_name=attention_name, attention=attention, matmul=matmul,
+                    rotary_rms_norm=rotary_rms_norm, cross_entropy=softcap_cross_entropy,
+                    remat=remat_block if grad_checkpoint else None)
+    # One matrix at a time: the CPU forms' stored transposes and Gram forms are tuned per matrix
+    # (batched was slower; docs/cpu.md).
+    polar = PolarExpress(orthogonalise=polar_express, ns_dtype=orthogonalisation_dtype(), batched=False)
+    plan = StepPlan(scan_unroll=SIDE_BY_SIDE, halve_lone_micro_batch=halves_a_lone_micro_batch(),
+                    flat_gradient_reduce=True)
+    return Choice(model=model, polar=polar, plan=plan)
 
 
 # --- linear -------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def halves_a_lone_micro_batch(cpuinfo: str | None = None) -> bool:
     return read_cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD"
 
 
-# The record's flat_gradient_reduce: gloo all-reduces one flat buffer ~3.5x faster than the arrays
+# The plan's flat_gradient_reduce: gloo all-reduces one flat buffer ~3.5x faster than the arrays
 # one by one (docs/cpu.md).
 
 

@@ -1,5 +1,11 @@
-"""The record of a backend's kernels (`Kernels`), in a module of its own so that each backend's file
-builds one without importing the package that chooses among them."""
+"""The records of a backend's choices, one per reader, in a module of their own so that each
+backend's file builds them without importing the package that chooses among them:
+
+* `Kernels`, how the model runs (the model keeps it; `flaxchat.gpt`, the loss in `flaxchat.train`);
+* `PolarExpress`, how Muon orthogonalises (the optimizer is built with it; `flaxchat.optim`);
+* `StepPlan`, how the train step accumulates micro-batches (the step holds it; `flaxchat.train`);
+* `Choice`, the three together: what `flaxchat.kernels.choose` returns.
+"""
 
 from __future__ import annotations
 
@@ -17,16 +23,39 @@ class Kernels:
     matmul: Callable  # (x, w) -> x @ w, with this backend's backward
     rotary_rms_norm: Callable  # (x, RotaryTable, scale) -> rms_norm(rotary(x)) * scale
     cross_entropy: Callable  # (raw logits, labels, cap) -> per-token nats of the soft-capped logits
-    polar_express: Callable  # (g, steps, dtype) -> the orthogonalised g (Muon)
-    ns_dtype: str  # Polar Express's dtype when --ns-dtype is auto
-    muon_batched: bool = False  # Polar Express on stacks of same-shape matrices (`optim.muon`'s batched)
     remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
     head_loss: Callable | None = None  # (x, head weight, labels, weights, cap) -> weighted loss sum, fused
-    scan_unroll: int = 1  # micro-batches the accumulation runs side by side
-    halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
-    flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer
 
     def describe(self) -> str:
         """One line for a log: what runs where."""
         extra = ", remat (--grad-checkpoint)" if self.remat is not None else ""
         return f"kernels: {self.backend}, attention {self.attention_name}{extra}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PolarExpress:
+    """How Muon orthogonalises its updates here: the optimizer's, not the model's, so a model
+    never recompiles for a change of optimizer."""
+
+    orthogonalise: Callable  # (g, steps, dtype) -> the orthogonalised g
+    ns_dtype: str  # its dtype (or CPU form) when --ns-dtype is auto
+    batched: bool = False  # run on stacks of same-shape matrices (`optim.muon`'s batched)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """How the train step accumulates gradients over micro-batches; never what it sums (hashable:
+    a static argument of the jitted step)."""
+
+    scan_unroll: int = 1  # micro-batches the accumulation runs side by side
+    halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
+    flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A backend's choices for each reader: the model's kernels, Muon's Polar Express, the step's plan."""
+
+    model: Kernels
+    polar: PolarExpress
+    plan: StepPlan

@@ -20,14 +20,16 @@ from flaxchat.kernels.remat import REMAT_POLICIES, remat_block, remat_blocks  # 
 DEFAULT_ATTENTION = "splash"
 
 
-def kernels(attention_name: str, attention, grad_checkpoint: bool):
-    """The TPU's record (`flaxchat.kernels.Kernels`) with the given attention."""
-    from flaxchat.kernels.record import Kernels
+def choice(attention_name: str, attention, grad_checkpoint: bool):
+    """The TPU's records (`flaxchat.kernels.Choice`) with the given attention: Polar Express
+    batched over same-shape matrices, the step's plain plan."""
+    from flaxchat.kernels.record import Choice, Kernels, PolarExpress, StepPlan
     from flaxchat.ops import polar_express
-    return Kernels(backend="tpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
-                   rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
-                   polar_express=polar_express, ns_dtype="bfloat16", muon_batched=True,
-                   remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
+    model = Kernels(backend="tpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
+                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
+                    remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
+    return Choice(model=model, polar=PolarExpress(orthogonalise=polar_express, ns_dtype="bfloat16", batched=True),
+                  plan=StepPlan())
 
 
 
