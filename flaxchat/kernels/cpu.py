@@ -1,9 +1,7 @@
 """The CPU's kernels: what XLA:CPU needs to run flaxchat's step near a core's matmul peak.
 
 Each form computes what `flaxchat.ops` computes (the losses of the main job's first 20 steps agree
-within a few ulps), only arranged for XLA:CPU. Every figure below was measured on 2-core cloud
-machines (AMD EPYC Zen 4 / Zen 5, Intel Xeon with AMX), interleaved against the plain form;
-docs/cpu.md lists each technique with its gain.
+within a few ulps), only arranged for XLA:CPU; docs/cpu.md lists each technique with its measured gain.
 
 * `matmul`: a linear layer whose backward takes dW through a stored transpose (`_weight_grad`).
 * `rotary_rms_norm`, `softcap_cross_entropy`: hand-written backwards that read less memory.
@@ -60,8 +58,7 @@ def choice(attention_name: str, attention, grad_checkpoint: bool):
 def matmul(x, w):
     """x (..., in) @ w (in, out), its dW computed as `transpose(x) @ g` (or, for a layer that
     narrows, as the transpose of `transpose(g) @ x`), the transpose stored first: XLA:CPU lowers
-    the token-contracting dot `xᵀ·g` to a slow generic dot, and an explicit transpose followed by a
-    plain NN matmul goes to the fast library (57% -> 66% MFU on an 8L/512d GPT)."""
+    the token-contracting dot `xᵀ·g` to a slow generic dot, a plain NN matmul to its fast library."""
     return jnp.matmul(x, w)
 
 
@@ -86,10 +83,7 @@ def _weight_grad(x: jax.Array, g: jax.Array) -> jax.Array:
 
     The token-by-feature matrix that gets transposed is the narrower of x and g: for a layer that
     narrows (in > out, the MLP's c_proj) that is g, and then the small (out, in) result is
-    transposed back. c_proj's dW at 2,048 tokens (relu² input materialised, 2-core AMD EPYC,
-    interleaved): 1024 -> 256 in 5.1-5.9 ms against 7.1-9.4, 2048 -> 512 in 18.2 against 29.2;
-    config A's whole step 357.7 -> 342.2 and 323.6 -> 311.3 ms (medians of 20 rounds). A layer that
-    widens keeps the transpose of x: the other way took 6.3 against 4.4 ms at 256 -> 1024.
+    transposed back; a layer that widens keeps the transpose of x (docs/cpu.md).
     """
     if x.shape[1] > g.shape[1]:
         return stored_transpose(jnp.matmul(stored_transpose(g, (1, 0)), x), (1, 0))
@@ -104,11 +98,7 @@ def rotary_rms_norm(x: jax.Array, table: ops.RotaryTable, scale: float) -> jax.A
     (the output and one RMS per row; `_rotary_norm_bwd`).
 
     Autodiff of the two ops kept the input as well and ran the rotation's and the norm's backwards
-    as separate passes with three reductions per row. Forward and backward alone (`python -m
-    bench.cpu.norms`; 2-core AMD EPYC Zen 4, medians of 300 interleaved rounds): config A's q (8,
-    256, 4, 64) 1.78 -> 1.10 ms, config B's (2, 512, 8, 64) 1.62 -> 1.17 ms, faster in 97% and 94%
-    of the rounds. RMSNorm alone gained nothing from the same form (0.54 against 0.55 ms at (8,
-    256, 256)), so it keeps autodiff.
+    as separate passes with three reductions per row (`python -m bench.cpu.norms`; docs/cpu.md).
     """
     return _rotary_norm(x, table.cos, table.sin, scale)
 
@@ -116,9 +106,7 @@ def rotary_rms_norm(x: jax.Array, table: ops.RotaryTable, scale: float) -> jax.A
 def _rotary_norm_fwd(x, cos, sin, scale):
     xf = x.astype(jnp.float32)
     r = ops.rms_reciprocal(xf)  # the rotation keeps each head's norm, so the RMS is taken before it
-    # One product by r·scale: with `(rotated · r) · scale` as two, forward+backward took 1.96
-    # against 0.93 ms at config A's q (XLA:CPU then recomputed the forward inside the backward's
-    # kernels); the rotation back written out (`back`) against rotary with -sin: 0.93 against 1.14.
+    # One product by r·scale: as two, XLA:CPU recomputed the forward inside the backward (docs/cpu.md).
     y = (ops.rotate(xf, cos.astype(jnp.float32), sin.astype(jnp.float32)) * (r * scale)).astype(x.dtype)
     return y, (y, r, cos, sin)
 
@@ -292,22 +280,11 @@ def tune_runtime() -> None:
     then run each jitted call on the calling thread (JAX's CPU async dispatch off). Called through
     `flaxchat.kernels.tune_process`, which skips it where the step runs on an accelerator.
 
-    XLA:CPU takes one block for a train step's temporaries (315 MiB at the main job's depth 4 and
-    2,048 tokens) every step and frees it after. Allocated on a dispatch worker thread, that block
-    is larger than a thread's malloc heap can hold, so glibc maps it fresh and unmaps it each
-    step, and the kernel zeroes and faults it in again: ~600 huge-page faults and 57-80 ms of
-    system CPU per step on a 2-core Intel Xeon, 10% of the step's CPU time. Run on the main thread
-    it comes from the main heap, which these tunables keep: 0-18 faults and 3-8 ms per step, and
-    the step 7-15% faster at 2,048 tokens (within the noise at 16K tokens per step, where the block is
-    reused over 16 micro-batches); peak RSS unchanged. Huge pages alone made a 2K-token step 19%
-    faster than 4 KiB pages on a 2-core AMD EPYC.
-    (Keeping freed memory with the step still on a worker thread needs glibc.malloc.arena_max=1,
-    one heap for every thread: 7-8% slower at 16K tokens and ~1.7x the peak RSS.)
-
-    A call returns when its step is done, so Python prepares the next step after it (~6 ms at depth
-    4) instead of beside it, and batch-1 decoding reads a few percent slower; the chat CLI and web
-    server keep async dispatch. Skipped off Linux, when the user set GLIBC_TUNABLES (their choice is
-    kept, with async dispatch) or with FLAXCHAT_NO_CPU_TUNING=1.
+    Why: XLA:CPU takes one block for a step's temporaries every step and frees it after; on a
+    dispatch worker thread glibc maps and unmaps it each step and the kernel faults it in again.
+    On the main thread, from a heap these tunables keep, it is reused (docs/cpu.md has the faults
+    and the gains). The chat CLI and web server keep async dispatch. Skipped off Linux, when the
+    user set GLIBC_TUNABLES (their choice is kept, with async dispatch) or with FLAXCHAT_NO_CPU_TUNING=1.
     """
     if (not sys.platform.startswith("linux") or os.environ.get("FLAXCHAT_NO_CPU_TUNING") == "1"
             or not getattr(sys, "orig_argv", None)):

@@ -4,11 +4,8 @@
 bfloat16) and two CPU forms, BF16_PRODUCTS and BF16_OPERANDS, which keep an fp32 iterate and take
 some products from bf16 operands; rectangular matrices take the Gram form (`_gram_form`). The
 CPU's record picks the form by the CPU's bf16 dot instructions (`cpu.orthogonalisation_dtype`);
-`--ns-dtype` overrides it.
-
-Why: a CPU's bf16 product is fast only from bf16 operands into fp32, so these forms take the
-products that tolerate it from bf16 and keep the rest fp32 (faster than fp32, closer to float64
-than all-bf16). The measurements behind each form: docs/cpu.md, "Polar Express's CPU forms".
+`--ns-dtype` overrides it. Why: a CPU's bf16 product is fast only from bf16 operands into fp32
+(measurements: docs/cpu.md, "Polar Express's CPU forms").
 """
 
 from __future__ import annotations
@@ -60,13 +57,9 @@ def _bf16_operands(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def _gram(x: jax.Array, bf16: bool = False) -> jax.Array:
-    """The small Gram matrix: xᵀ·x (n x n) for a tall x, x·xᵀ (m x m) for a wide one. xᵀ·x
-    contracts the rows, which XLA:CPU runs as a slow generic dot; with xᵀ stored first it is a
-    plain product for its fast library (`cpu.stored_transpose`).
-
-    `bf16` (square or wide x): from bf16 operands into fp32, written as one dot_general of x with
-    itself contracting the columns (XLA:CPU upcasts x @ x.T back to fp32; docs/cpu.md). A tall x's
-    xᵀ·x stays fp32."""
+    """The small Gram matrix: xᵀ·x (n x n) for a tall x (xᵀ stored first: a plain product for
+    XLA:CPU's fast library), x·xᵀ (m x m) for a wide one. `bf16` (square or wide x): from bf16
+    operands into fp32, as one dot_general (XLA:CPU upcasts x @ x.T back to fp32)."""
     if bf16 and x.shape[0] <= x.shape[1]:
         xb = x.astype(jnp.bfloat16)
         return jax.lax.dot_general(xb, xb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
