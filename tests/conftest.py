@@ -76,3 +76,20 @@ def tokenizer():
     from support import stories_tokenizer
     return stories_tokenizer()
 
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The tokenizer of the tiny pretraining runs (support.TINY_RUN), made by a 1-step run of
+    scripts.pretrain, which also puts its train step in the compile cache; once per worker (four files
+    made one each)."""
+    import subprocess
+    import sys
+    from support import REPO, tiny_flags
+    d = tmp_path_factory.mktemp("tok")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    r = subprocess.run([sys.executable, "-m", "scripts.pretrain", *tiny_flags(eval_every=0, sample_every=0),
+                        f"--run-dir={d / 'warm'}", f"--tokenizer-dir={d / 'tokenizer'}", "--steps=1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(d / "tokenizer")
