@@ -1,6 +1,7 @@
 """Preemption as the clouds do it: SIGTERM (a spot TPU VM's notice, the end of a Kaggle session, the
 launcher's stop) finishes the step in flight, saves it and exits 75 (errors.ExitCode.PREEMPTED),
-well inside the ~30 s before the kill. Real processes, real signals, real Orbax saves.
+well inside the ~30 s before the kill; Ctrl-C does the same with exit 130. Real processes, real
+signals, real Orbax saves.
 
 Before, SIGTERM killed the process at once: everything since the last --save-every was lost (the
 main job saves every 250 steps). Now the work lost is the step in flight at most, and the same
@@ -22,7 +23,7 @@ import pytest
 from support import coordinator_env, cpu_env, free_port
 from test_multihost import compare_params
 from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
-from test_train import TINY, _env, _final_params, _pretrain, tokenizer_dir  # noqa: F401 (a fixture)
+from test_train import TINY, _env, _final_params, _pretrain
 
 pytestmark = pytest.mark.slow  # end to end: signals to training processes: CI runs it; `-m "not slow"` skips it
 
@@ -34,7 +35,7 @@ STOPPED = re.compile(r"^stopped at step (\d+);", re.M)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tokenizer_dir):  # noqa: F811
+def reference(tmp_path_factory, tokenizer_dir):
     """An uninterrupted run of the same steps: the weights every preempted-then-resumed run must equal."""
     ref = tmp_path_factory.mktemp("reference") / "run"
     r = _pretrain([*TINY, f"--tokenizer-dir={tokenizer_dir}", f"--steps={STEPS}", "--save-every=0", f"--run-dir={ref}"])
@@ -56,20 +57,24 @@ from flaxchat.errors import cli_main
 from scripts import pretrain
 sys.exit(cli_main(pretrain.main, sys.argv[1:]))
 """
-# When the notice comes (the line after which it is sent) and how often the run saves on its own.
+# When the notice comes (the line after which it is sent), how often the run saves on its own, the
+# signal and the exit code it must give.
 MOMENTS = {
-    "during-compile": (lambda line: line.startswith("compiling the train step"), "--save-every=0"),
-    "mid-step": (lambda line: line.startswith(f"step 00005/{STEPS:05d}"), "--save-every=0"),
-    "mid-save": (lambda line: line.startswith("step 00008 | saving checkpoint"), "--save-every=4"),
+    "during-compile": (lambda line: line.startswith("compiling the train step"), "--save-every=0", signal.SIGTERM, 75),
+    "mid-step": (lambda line: line.startswith(f"step 00005/{STEPS:05d}"), "--save-every=0", signal.SIGTERM, 75),
+    "mid-save": (lambda line: line.startswith("step 00008 | saving checkpoint"), "--save-every=4", signal.SIGTERM, 75),
+    # Ctrl-C used to end the run with nothing saved since the last --save-every (the main job's
+    # default is 250 steps); now it stops as a notice does, with exit code 130.
+    "ctrl-c-mid-step": (lambda line: line.startswith(f"step 00005/{STEPS:05d}"), "--save-every=0", signal.SIGINT, 130),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("moment", list(MOMENTS))
-def test_sigterm_saves_the_step_in_flight_and_the_run_resumes_bit_for_bit(moment, tmp_path, tokenizer_dir,  # noqa: F811
-                                                                          reference):
-    when, save_every = MOMENTS[moment]
+def test_sigterm_or_ctrl_c_saves_the_step_in_flight_and_the_run_resumes_bit_for_bit(moment, tmp_path,
+                                                                                    tokenizer_dir, reference):
+    when, save_every, signum, exit_code = MOMENTS[moment]
     common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", f"--steps={STEPS}", save_every]
     run = tmp_path / "preempted"
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, *common, f"--run-dir={run}"], cwd=ROOT, env=_env(),
@@ -81,21 +86,25 @@ def test_sigterm_saves_the_step_in_flight_and_the_run_resumes_bit_for_bit(moment
             trained = int(m.group(1))
         if when(line):
             t_signal = time.time()
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             break
     seen += proc.stdout.readlines()
     code = proc.wait(timeout=60)
     to_exit = time.time() - t_signal
     out = "".join(seen)
-    assert t_signal is not None and code == 75, out[-3000:]  # before: -15, killed with nothing saved
-    assert to_exit < 25, f"{to_exit:.1f} s from SIGTERM to exit"
+    assert t_signal is not None and code == exit_code, out[-3000:]  # before: -15, killed with nothing saved
+    assert to_exit < 25, f"{to_exit:.1f} s from the signal to exit"
     saved = int(STOPPED.search(out).group(1))
     # Nothing trained is lost: the saved step is at least the last step reported before the notice,
     # and at most the one in flight after it.
     assert trained <= saved <= trained + 1, (trained, saved, out[-2000:])
+    if signum == signal.SIGINT:  # the line says how to go on, and the step was saved as the loop saves
+        assert saved >= 5 and f"step {saved:05d} | saving checkpoint\n" in seen, out[-2000:]
+        assert f"stopped at step {saved}; run the same command to resume" in out, out[-2000:]
     steps_on_disk = sorted(int(s) for s in os.listdir(run / "checkpoints")) if saved else []
     assert (steps_on_disk[-1] if steps_on_disk else 0) == saved and not (run / "COMPLETE").exists()
-    print(f"{moment}: SIGTERM after step {trained}, saved step {saved}, exit 75 after {to_exit:.1f} s")
+    print(f"{moment}: {signal.Signals(signum).name} after step {trained}, saved step {saved}, exit {code} after "
+          f"{to_exit:.1f} s")
 
     r = _pretrain([*common, f"--run-dir={run}"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -370,7 +379,7 @@ def _run_stage(script, *args):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_workers_stop_saves_the_step_and_its_exit_code_says_preempted(tmp_path, tokenizer_dir):  # noqa: F811
+def test_the_workers_stop_saves_the_step_and_its_exit_code_says_preempted(tmp_path, tokenizer_dir):
     """The launcher's --stop (and a restart) goes through worker.py stop: SIGTERM, then SIGKILL after
     30 s. A stage saves its step in that time, and the worker records 75 for recovery to read."""
     state, run = tmp_path / "state", tmp_path / "run"

@@ -15,7 +15,7 @@ import pytest
 
 from flaxchat.errors import UserError
 from test_sft_rl import base, tokenizer  # noqa: F401 (fixtures)
-from test_train import ROOT, TINY, _env, tokenizer_dir  # noqa: F401 (a fixture)
+from test_train import ROOT, TINY, _env
 
 pytestmark = pytest.mark.slow  # end to end: training runs with trackers: CI runs it; `-m "not slow"` skips it
 
@@ -117,7 +117,7 @@ def test_tracker_flags_are_checked_before_any_work(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_wandb_offline_history_equals_metrics(tmp_path, tokenizer_dir):  # noqa: F811
+def test_wandb_offline_history_equals_metrics(tmp_path, tokenizer_dir):
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "scripts.pretrain", *TINY, f"--tokenizer-dir={tokenizer_dir}",
                         "--steps=6", "--eval-every=3", "--sample-every=4", "--tracker=wandb", f"--run-dir={run}"],
@@ -147,7 +147,7 @@ print("tracker modules:", sorted(set({TRACKER_MODULES!r}) & set(sys.modules)))
 
 
 @pytest.mark.timeout(300)
-def test_plain_run_imports_no_tracker_and_profiles_steps(tmp_path, tokenizer_dir):  # noqa: F811
+def test_plain_run_imports_no_tracker_and_profiles_steps(tmp_path, tokenizer_dir):
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-c", PLAIN, *TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=5",
                         "--profile-steps=2:4", f"--run-dir={run}"], cwd=ROOT, env=_env(), capture_output=True,
@@ -181,7 +181,7 @@ sys.exit(cli_main(pretrain.main, sys.argv[1:]))
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_wandb_and_tensorboard_continue_after_kill9(tmp_path, tokenizer_dir):  # noqa: F811
+def test_wandb_and_tensorboard_continue_after_kill9(tmp_path, tokenizer_dir):
     run = tmp_path / "run"
     env = _offline_env(tmp_path)
     args = [*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=16", "--save-every=4", "--eval-every=6",

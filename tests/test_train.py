@@ -1,4 +1,5 @@
-"""Pretraining end to end: exact resume after Ctrl-C (kill -9: tests/test_nothing_lost.py), the main job, and bad input."""
+"""Pretraining end to end: the main job, the stop helper, and bad input (exact resume after Ctrl-C and
+SIGTERM: tests/test_preemption.py; after kill -9: tests/test_nothing_lost.py)."""
 
 import json
 import os
@@ -40,63 +41,6 @@ def _final_params(run_dir):
     meta = ck.restore(model)
     ck.close()
     return meta["step"], nnx.to_pure_dict(nnx.state(model, nnx.Param))
-
-
-def _reference_then_start(tmp_path, common, name):
-    """An uninterrupted run of `common` to compare with, then the same run started in the background
-    (stdout piped) for the test to interrupt: (reference folder, run folder, process)."""
-    ref = tmp_path / "uninterrupted"
-    r = _pretrain([*common, f"--run-dir={ref}"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    run = tmp_path / name
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *common, f"--run-dir={run}"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return ref, run, proc
-
-
-def _resume_equals_reference(ref, run, common, steps, resumed_from=None):
-    """The same command again: it resumes (from step `resumed_from` when given) and ends bitwise
-    where the uninterrupted run ended."""
-    r = _pretrain([*common, f"--run-dir={run}"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert ("resumed from step" if resumed_from is None else f"resumed from step {resumed_from} ") in r.stdout
-    step_a, a = _final_params(ref)
-    step_b, b = _final_params(run)
-    assert step_a == step_b == steps
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)  # bitwise
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    r = _pretrain([*TINY, f"--run-dir={d / 'warm'}", f"--tokenizer-dir={d / 'tokenizer'}", "--steps=1"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    return str(d / "tokenizer")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_ctrl_c_saves_at_the_step_boundary_and_the_same_command_resumes_exactly(tmp_path, tokenizer_dir):
-    """Ctrl-C used to end the run with nothing saved since the last --save-every (the main job's
-    default is 250 steps). Now the step in flight finishes, that step is saved and the run stops with
-    exit code 130; the same command resumes there and ends bitwise where an uninterrupted run does."""
-    common = [*TINY, f"--tokenizer-dir={tokenizer_dir}", "--steps=300", "--save-every=0"]
-    ref, run, proc = _reference_then_start(tmp_path, common, "interrupted")
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("step 00005/00300"):
-            proc.send_signal(signal.SIGINT)
-            break
-    seen += proc.stdout.readlines()
-    assert proc.wait(timeout=120) == 130, "".join(seen)[-2000:]
-    stopped = [x for x in seen if x.startswith("stopped at step ")]
-    assert stopped and "run the same command to resume" in stopped[0], "".join(seen)[-2000:]
-    k = int(stopped[0].split()[3].rstrip(";"))
-    assert 5 <= k < 300 and f"step {k:05d} | saving checkpoint\n" in seen
-    assert sorted(os.listdir(run / "checkpoints")) == [str(k)] and not (run / "COMPLETE").exists()
-
-    _resume_equals_reference(ref, run, common, 300, resumed_from=k)
 
 
 @pytest.mark.timeout(30)
