@@ -89,6 +89,8 @@ def parse_args(argv):
                    "--topology) (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s, pretrain's)")
     p.add_argument("--grad-checkpoint", action="store_true", help="rematerialise each block in the backward pass")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks that repeat under one lax.scan (pretrain's --scan-layers): compiled once")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="compute dtype; parameters and optimizer state stay fp32 (default: float32, "
                         "bfloat16 with --topology, as training picks on a TPU)")
@@ -200,9 +202,9 @@ def kernels_of(args):
     or with --topology the TPU's, its splash kernel lowered for the chip (bench.topology)."""
     from flaxchat.kernels import choose
     if args.slice is None:
-        return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+        return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint, scan_layers=args.scan_layers)
     from bench.topology import splash_compiled
-    k = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+    k = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint, scan_layers=args.scan_layers)
     return dataclasses.replace(k, attention=splash_compiled) if k.attention_name == "splash" else k
 
 
@@ -511,7 +513,8 @@ def main(argv=None) -> int:
 
     kernels = kernels_of(args)
     what = (f"rows of {args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state "
-            f"fp32, attention {kernels.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}")
+            f"fp32, attention {kernels.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}"
+            f"{', --scan-layers' if args.scan_layers else ''}")
     if args.slice is None:
         slices = f" in {args.slices} slices" if args.slices > 1 else ""
         print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} "

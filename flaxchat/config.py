@@ -216,6 +216,7 @@ class TrainConfig(RunConfig):
     eval_tokens: int = 65_536
     sample_every: int = 500
     grad_checkpoint: bool = False
+    scan_layers: bool = False  # the repeating blocks under one lax.scan: one block compile, not one per layer
     attention: str = "auto"  # attention kernel: auto (by backend), blockwise, xla, splash, cudnn
     init_from: str = ""  # model.pkl / weights.npz / run folder to start from (ignored when resuming)
     tokenizer_dir: str = ""  # default: <run_dir>/tokenizer, trained on --data if absent

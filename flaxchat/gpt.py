@@ -212,7 +212,13 @@ class GPT(nnx.Module):
         x_backout = None
         windows = cfg.window_sizes()
         kernels = self.kernels
+        period, repeats = scan_plan(cfg) if kernels.scan_layers and attend is None else (1, 0)
+        first = period * repeats  # layers [0, first) run under lax.scan, the rest one by one
+        if repeats:
+            x, x_backout = self._scanned_blocks(x, x0, idx, rope, period, repeats, backout_layer)
         for i, block in enumerate(self.blocks):
+            if i < first:
+                continue
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
             if attend is not None:
                 layer_attend = lambda q, k, v, w, i=i: attend(i, q, k, v, w)
@@ -227,6 +233,65 @@ class GPT(nnx.Module):
         if x_backout is not None:
             x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
         return x
+
+    def _scanned_blocks(self, x, x0, idx, rope, period: int, repeats: int, backout_layer: int):
+        """Layers [0, period·repeats) as `repeats` iterations of one lax.scan whose body runs
+        `period` consecutive blocks, so XLA compiles `period` blocks instead of all of them. Layer
+        j + k·period is iteration k's j-th block: its weights are stacked along a leading axis here,
+        in the step (the parameter tree, the optimizer, checkpoints and exports keep one array per
+        layer). Returns (x after the last scanned layer, x after backout_layer if it was scanned)."""
+        kernels, windows, dtype = self.kernels, self.config.window_sizes(), x.dtype
+        graphdefs, stacks = [], []
+        for j in range(period):
+            splits = [nnx.split(self.blocks[j + k * period]) for k in range(repeats)]
+            graphdefs.append(splits[0][0])
+            # In the compute dtype: every block weight is cast to it where it is used anyway (a
+            # Linear's matmul, a bf16 model's bf16 value-embedding table), and the stacked copy of a
+            # bf16 model is then half the size of an fp32 one.
+            stacks.append(jax.tree.map(lambda *a: jnp.stack([w.astype(dtype) for w in a]),
+                                       *[state for _, state in splits]))
+        n = period * repeats
+        lambdas = (self.resid_lambdas[...][:n].reshape(repeats, period),
+                   self.x0_lambdas[...][:n].reshape(repeats, period))
+        keep_rep, keep_j = divmod(backout_layer, period) if backout_layer < n else (-1, -1)
+
+        def body(carry, xs):
+            x, x_backout = carry
+            rep, states, resid, x0s = xs
+            for j in range(period):
+                x = resid[j].astype(dtype) * x + x0s[j].astype(dtype) * x0
+                block = nnx.merge(graphdefs[j], states[j])
+                if kernels.remat is not None:
+                    x = kernels.remat(block, x, idx, rope, windows[j], kernels)
+                else:
+                    x = block(x, idx, rope, windows[j], kernels)
+                x = constrain(x, ("batch", None, None))
+                if j == keep_j:
+                    x_backout = jnp.where(rep == keep_rep, x, x_backout)
+            return (x, x_backout), None
+
+        carry = (x, jnp.zeros_like(x) if keep_rep >= 0 else None)
+        xs = (jnp.arange(repeats), stacks, *lambdas)
+        x, x_backout = jax.lax.scan(body, carry, xs)[0]
+        return x, x_backout
+
+
+def scan_plan(cfg: GPTConfig) -> tuple[int, int]:
+    """(period, repeats) of `kernels.scan_layers`: layers [0, period·repeats) are `repeats` copies
+    of the first `period` layers' structure (attention window, value embedding or not), scanned;
+    the rest run one by one. The period is the one that leaves the fewest blocks to compile
+    (period + layers left over); repeats is 0 where nothing repeats (d4 with "SSSL": the last
+    layer's forced full window breaks the only period, 4). d12 and d20 with "SSSL": period 4."""
+    sig = [(w, cfg.has_value_embed(i)) for i, w in enumerate(cfg.window_sizes())]
+    L = len(sig)
+    best = (L, 1, 0)  # blocks compiled, period, repeats
+    for p in range(1, L // 2 + 1):
+        r = 1
+        while (r + 1) * p <= L and sig[r * p:(r + 1) * p] == sig[:p]:
+            r += 1
+        if r >= 2 and p + L - r * p < best[0]:
+            best = (p + L - r * p, p, r)
+    return best[1], best[2]
 
 
 def param_count(model: GPT) -> int:

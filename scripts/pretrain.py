@@ -70,6 +70,9 @@ HELP = {
     "log_every": "steps between progress lines",
     "seed": "seed of the initialisation and the data order",
     "grad_checkpoint": "recompute each block's activations in the backward (less memory, more compute)",
+    "scan_layers": "run the layers that repeat (4 per period with SSSL) under one lax.scan, so the compiler "
+                   "compiles those blocks once, not once per layer (docs/accelerators.md); same parameters and "
+                   "checkpoints",
     "text_field": "the .jsonl field or parquet column that holds the text (a hub --data sets it with ?field=)",
     "tokenizer_dir": "a trained tokenizer to use (default: <run-dir>/tokenizer, trained on --data if absent)",
     "max_chars_tokenizer": "characters of --data the tokenizer is trained on",
@@ -139,7 +142,8 @@ def _run(tc: TrainConfig) -> dict:
     paths.check_writable(tc.run_dir)
 
     # --- compute ------------------------------------------------------------------------------
-    compute = compute_init(tc.dtype, attention=tc.attention, grad_checkpoint=tc.grad_checkpoint)
+    compute = compute_init(tc.dtype, attention=tc.attention, grad_checkpoint=tc.grad_checkpoint,
+                           scan_layers=tc.scan_layers)
     print0(f"compute: {compute.backend}, {compute.device_count} device(s) in {compute.process_count} process(es), "
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 

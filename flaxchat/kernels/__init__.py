@@ -5,9 +5,9 @@
     model = GPT(cfg, rngs=..., kernels=k)              # compute_init(...).kernels in the scripts
 
 The record (`Kernels`) holds every choice that changes how, never what, the model computes:
-attention, the linear layer, rotary + QK-norm, the capped cross-entropy, remat, how the train step
-accumulates micro-batches, and Polar Express's form and whether it runs batched over same-shape
-matrices. The model keeps it (a static attribute, so a jitted function compiled for one record is
+attention, the linear layer, rotary + QK-norm, the capped cross-entropy, remat, whether the blocks
+run under one lax.scan, how the train step accumulates micro-batches, and Polar Express's form and
+whether it runs batched over same-shape matrices. The model keeps it (a static attribute, so a jitted function compiled for one record is
 never reused for another); the train step, the engine and the optimizer take it from there or
 from `compute_init`. Export uses `portable()`, plain XLA ops every runtime converts.
 
@@ -25,6 +25,7 @@ works everywhere, and a test holds it to `ops.reference_attention`. Nothing else
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
@@ -67,10 +68,12 @@ def _xla(q, k, v, window, block):
 
 
 @functools.lru_cache(maxsize=None)
-def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False) -> Kernels:
+def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False,
+           scan_layers: bool = False) -> Kernels:
     """The record for `backend` (default: JAX's) with attention `attention` (auto: the backend's
-    default; any named kernel runs anywhere, a TPU kernel off TPU in Pallas's slow interpret mode)
-    and remat when `grad_checkpoint`. The same arguments give the same record (cached)."""
+    default; any named kernel runs anywhere, a TPU kernel off TPU in Pallas's slow interpret mode),
+    remat when `grad_checkpoint`, and the repeating blocks under one lax.scan when `scan_layers`
+    (`flaxchat.gpt.scan_plan`). The same arguments give the same record (cached)."""
     import jax
 
     from flaxchat.errors import UserError
@@ -81,7 +84,8 @@ def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint:
     table = attention_kernels()
     if name not in table:
         raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {attention!r}).")
-    return module.kernels(name, table[name], grad_checkpoint)
+    k = module.kernels(name, table[name], grad_checkpoint)
+    return dataclasses.replace(k, scan_layers=True) if scan_layers else k
 
 
 @functools.lru_cache(maxsize=None)

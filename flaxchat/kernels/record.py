@@ -25,8 +25,10 @@ class Kernels:
     scan_unroll: int = 1  # micro-batches the accumulation runs side by side
     halve_lone_micro_batch: bool = False  # a step of one micro-batch runs it as two halves
     flat_gradient_reduce: bool = False  # dp: gradients all-reduced as one flat buffer
+    scan_layers: bool = False  # the blocks that repeat run under one lax.scan (gpt.scan_plan), compiled once
 
     def describe(self) -> str:
         """One line for a log: what runs where."""
         extra = ", remat (--grad-checkpoint)" if self.remat is not None else ""
+        extra += ", scanned layers (--scan-layers)" if self.scan_layers else ""
         return f"kernels: {self.backend}, attention {self.attention_name}{extra}"
