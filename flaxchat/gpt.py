@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flaxchat import ops
 from flaxchat.config import GPTConfig
 from flaxchat.kernels import Kernels, choose
+from flaxchat.kernels.remat import SCAN_POLICY
 from flaxchat.sharding import constrain
 
 SMEAR_CHANNELS = 24
@@ -127,6 +128,16 @@ class Block(nnx.Module):
     def __call__(self, x, idx, rope: ops.RotaryTable, window: int, kernels: Kernels, attend=None):
         x = x + self.attn(ops.rms_norm(x), idx, rope, window, kernels, attend)
         return x + self.mlp(ops.rms_norm(x), kernels)
+
+
+class _LookedUp(nnx.Module):
+    """A value embedding whose rows (B, T, kv) were looked up already (`GPT._scanned_blocks`)."""
+
+    def __init__(self, rows: jax.Array):
+        self.rows = nnx.Param(rows)
+
+    def __call__(self, idx: jax.Array) -> jax.Array:
+        return self.rows[...]
 
 
 class GPT(nnx.Module):
@@ -241,15 +252,21 @@ class GPT(nnx.Module):
         in the step (the parameter tree, the optimizer, checkpoints and exports keep one array per
         layer). Returns (x after the last scanned layer, x after backout_layer if it was scanned)."""
         kernels, windows, dtype = self.kernels, self.config.window_sizes(), x.dtype
-        graphdefs, stacks = [], []
+        graphdefs, stacks, unused_tables, rows = [], [], [], []
         for j in range(period):
-            splits = [nnx.split(self.blocks[j + k * period]) for k in range(repeats)]
+            layers = [self.blocks[j + k * period] for k in range(repeats)]
+            # The value embeddings are looked up here, outside the scan: it then carries the (B, T,
+            # kv) rows of each layer instead of a stacked copy of its (vocab, kv) table (and of
+            # that table's gradient), 2 x 288 MiB at d12 with a 32,768-token vocabulary.
+            has_ve = layers[0].attn.ve is not None
+            rows.append(jnp.stack([b.attn.ve(idx) for b in layers]) if has_ve else None)
+            splits = [nnx.split(b, nnx.PathContains("ve"), ...) for b in layers]
             graphdefs.append(splits[0][0])
+            unused_tables.append(jax.tree.map(lambda t: jnp.zeros((0, *t.shape[1:]), t.dtype), splits[0][1]))
             # In the compute dtype: every block weight is cast to it where it is used anyway (a
-            # Linear's matmul, a bf16 model's bf16 value-embedding table), and the stacked copy of a
-            # bf16 model is then half the size of an fp32 one.
+            # Linear's matmul), and the stacked copy of a bf16 model is half the size of an fp32 one.
             stacks.append(jax.tree.map(lambda *a: jnp.stack([w.astype(dtype) for w in a]),
-                                       *[state for _, state in splits]))
+                                       *[rest for _, _, rest in splits]))
         n = period * repeats
         lambdas = (self.resid_lambdas[...][:n].reshape(repeats, period),
                    self.x0_lambdas[...][:n].reshape(repeats, period))
@@ -257,23 +274,32 @@ class GPT(nnx.Module):
 
         def body(carry, xs):
             x, x_backout = carry
-            rep, states, resid, x0s = xs
+            rep, states, ve_rows, resid, x0s = xs
             for j in range(period):
-                x = resid[j].astype(dtype) * x + x0s[j].astype(dtype) * x0
-                block = nnx.merge(graphdefs[j], states[j])
-                if kernels.remat is not None:
-                    x = kernels.remat(block, x, idx, rope, windows[j], kernels)
+                block = nnx.merge(graphdefs[j], unused_tables[j], states[j])
+                if ve_rows[j] is not None:
+                    block.attn.ve = _LookedUp(ve_rows[j])
+                if kernels.remat is None:
+                    x = _scanned_layer(block, x, x0, resid[j], x0s[j], idx, rope, windows[j], kernels)
                 else:
-                    x = block(x, idx, rope, windows[j], kernels)
+                    x = resid[j].astype(dtype) * x + x0s[j].astype(dtype) * x0
+                    x = kernels.remat(block, x, idx, rope, windows[j], kernels)
                 x = constrain(x, ("batch", None, None))
                 if j == keep_j:
                     x_backout = jnp.where(rep == keep_rep, x, x_backout)
             return (x, x_backout), None
 
         carry = (x, jnp.zeros_like(x) if keep_rep >= 0 else None)
-        xs = (jnp.arange(repeats), stacks, *lambdas)
+        xs = (jnp.arange(repeats), stacks, rows, *lambdas)
         x, x_backout = jax.lax.scan(body, carry, xs)[0]
         return x, x_backout
+
+
+@nnx.remat(static_argnums=(7, 8), policy=SCAN_POLICY, prevent_cse=False)
+def _scanned_layer(block, x, x0, resid, x0_lambda, idx, rope, window, kernels):
+    """A layer under --scan-layers: the residual mix and the block, checkpointed by SCAN_POLICY."""
+    x = resid.astype(x.dtype) * x + x0_lambda.astype(x.dtype) * x0
+    return block(x, idx, rope, window, kernels)
 
 
 def scan_plan(cfg: GPTConfig) -> tuple[int, int]:
