@@ -6,6 +6,7 @@
     python -m bench.scale --depths 12 --layouts fsdp --run-steps 12
     python -m bench.scale --depths 2,4 --devices 2 --seq 64 --batch 2     # small enough to run steps
     python -m bench.scale --topology v5e-8 --depths 12,20                 # libtpu's compiler, for 8 v5e chips
+    python -m bench.scale --topology v5e-1 --depths 12 --layouts dp --vocab 32768 --scan-layers  # compile time, scanned
     python -m bench.scale --topology v5e-256 --slices 2 --depths 24       # two v5e-256 pods over the data-centre network
 
 For each depth and layout, one row (MiB per device):

@@ -84,6 +84,21 @@ def test_scanned_gradients_equal_the_unrolled(remat):
         assert float(np.abs(a - b).max()) <= 1e-5 * scale, path
 
 
+def test_with_splash_its_named_residuals_give_the_same_gradients():
+    """Splash (Pallas interpret mode here) under SCAN_POLICY, which keeps the output and log-sum-exp
+    it names "attention": the gradients are the unrolled model's."""
+    cfg = dataclasses.replace(CFG, sequence_len=128)
+    plain, scanned = (_model(choose("cpu", "splash", scan_layers=s), cfg=cfg) for s in (False, True))
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 129), np.int32))
+    grad = nnx.jit(nnx.value_and_grad(lambda m, i: loss_sum_for_gradients(m, i[:, :-1], i[:, 1:])))
+    (la, ga), (lb, gb) = grad(plain, idx), grad(scanned, idx)
+    assert abs(float(la) - float(lb)) <= 1e-5 * abs(float(la))
+    gb = dict(nnx.to_flat_state(gb))
+    for path, g in nnx.to_flat_state(ga):
+        a, b = np.asarray(g.get_value()), np.asarray(gb[path].get_value())
+        assert float(np.abs(a - b).max()) <= 1e-4 * max(float(np.abs(a).max()), 1e-6), path
+
+
 def _losses(kernels, dtype, steps=4):
     compute = compute_init(jnp.dtype(dtype).name).with_sharding("dp")
     with jax.set_mesh(compute.mesh):
