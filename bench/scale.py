@@ -6,6 +6,7 @@
     python -m bench.scale --depths 12 --layouts fsdp --run-steps 12
     python -m bench.scale --depths 2,4 --devices 2 --seq 64 --batch 2     # small enough to run steps
     python -m bench.scale --topology v5e-8 --depths 12,20                 # libtpu's compiler, for 8 v5e chips
+    python -m bench.scale --topology v5e-1 --depths 12 --layouts dp --vocab 32768 --scan-layers  # compile time, scanned
     python -m bench.scale --topology v5e-256 --slices 2 --depths 24       # two v5e-256 pods over the data-centre network
 
 For each depth and layout, one row (MiB per device):
@@ -89,6 +90,8 @@ def parse_args(argv):
                    "--topology) (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s, pretrain's)")
     p.add_argument("--grad-checkpoint", action="store_true", help="rematerialise each block in the backward pass")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks that repeat under one lax.scan (pretrain's --scan-layers): compiled once")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="compute dtype; parameters and optimizer state stay fp32 (default: float32, "
                         "bfloat16 with --topology, as training picks on a TPU)")
@@ -201,9 +204,9 @@ def choice_of(args):
     the chip (bench.topology)."""
     from flaxchat.kernels import choose
     if args.slice is None:
-        return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+        return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint, scan_layers=args.scan_layers)
     from bench.topology import splash_compiled
-    c = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint)
+    c = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint, scan_layers=args.scan_layers)
     if c.model.attention_name != "splash":
         return c
     return dataclasses.replace(c, model=dataclasses.replace(c.model, attention=splash_compiled))
@@ -517,7 +520,8 @@ def main(argv=None) -> int:
 
     choice = choice_of(args)
     what = (f"rows of {args.seq} tokens, vocab {args.vocab}, compute {args.dtype}, parameters and optimizer state "
-            f"fp32, attention {choice.model.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}")
+            f"fp32, attention {choice.model.attention_name}{', --grad-checkpoint' if args.grad_checkpoint else ''}"
+            f"{', --scan-layers' if args.scan_layers else ''}")
     if args.slice is None:
         slices = f" in {args.slices} slices" if args.slices > 1 else ""
         print(f"bench.scale: jax {jax.__version__}, {jax.device_count()} fake {jax.devices()[0].platform.upper()} "

@@ -89,14 +89,14 @@ def resolve_dtype(name: str = "auto") -> jnp.dtype:
 
 
 def compute_init(dtype: str = "auto", sharding: str = "dp", attention: str = "auto",
-                 grad_checkpoint: bool = False) -> Compute:
+                 grad_checkpoint: bool = False, scan_layers: bool = False) -> Compute:
     """Join the job, build the mesh, and make this backend's choices once: the compute dtype and
     the records (`flaxchat.kernels.choose`) every model, optimizer and step of the process is
     built with."""
     maybe_initialize_distributed()
     mesh = make_mesh(jax.devices(), sharding)
     compute_dtype = resolve_dtype(dtype)
-    choice = choose(jax.default_backend(), attention, grad_checkpoint)
+    choice = choose(jax.default_backend(), attention, grad_checkpoint, scan_layers)
     auto = " (auto)" if dtype == "auto" or attention == "auto" else ""
     print0(f"compute: {jnp.dtype(compute_dtype).name} on {jax.default_backend()}{auto}; {choice.model.describe()}")
     cache = enable_compilation_cache()

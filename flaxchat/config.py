@@ -249,6 +249,9 @@ class TrainConfig(RunConfig):
     sample_every: int = flag(500, "steps between sampled stories (0: none during training; the end always samples)")
     grad_checkpoint: bool = flag(False, "recompute each block's activations in the backward (less memory, more "
                                         "compute)")
+    scan_layers: bool = flag(False, "run the layers that repeat (4 per period with SSSL) under one lax.scan, so the "
+                                    "compiler compiles those blocks once, not once per layer (docs/accelerators.md); "
+                                    "same parameters and checkpoints")
     attention: str = flag("auto", "attention kernel: auto (splash on TPU, cudnn on GPU, blockwise on CPU), blockwise, "
                                   "xla, splash, cudnn")
     init_from: str = flag("", "start from these weights (model.pkl, weights.npz or a run folder); ignored when "

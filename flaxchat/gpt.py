@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flaxchat import ops
 from flaxchat.config import GPTConfig
 from flaxchat.kernels import Kernels, choose
+from flaxchat.kernels.remat import SCAN_POLICY
 from flaxchat.sharding import constrain
 
 SMEAR_CHANNELS = 24
@@ -129,6 +130,16 @@ class Block(nnx.Module):
         return x + self.mlp(ops.rms_norm(x), kernels)
 
 
+class _LookedUp(nnx.Module):
+    """A value embedding whose rows (B, T, kv) were looked up already (`GPT._scanned_blocks`)."""
+
+    def __init__(self, rows: jax.Array):
+        self.rows = nnx.Param(rows)
+
+    def __call__(self, idx: jax.Array) -> jax.Array:
+        return self.rows[...]
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels: Kernels | None = None):
         """`kernels`: how this backend runs the model (`flaxchat.kernels.choose().model`, the
@@ -212,7 +223,13 @@ class GPT(nnx.Module):
         x_backout = None
         windows = cfg.window_sizes()
         kernels = self.kernels
+        period, repeats = scan_plan(cfg) if kernels.scan_layers and attend is None else (1, 0)
+        first = period * repeats  # layers [0, first) run under lax.scan, the rest one by one
+        if repeats:
+            x, x_backout = self._scanned_blocks(x, x0, idx, rope, period, repeats, backout_layer)
         for i, block in enumerate(self.blocks):
+            if i < first:
+                continue
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
             if attend is not None:
                 layer_attend = lambda q, k, v, w, i=i: attend(i, q, k, v, w)
@@ -227,6 +244,80 @@ class GPT(nnx.Module):
         if x_backout is not None:
             x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
         return x
+
+    def _scanned_blocks(self, x, x0, idx, rope, period: int, repeats: int, backout_layer: int):
+        """Layers [0, period·repeats) as `repeats` iterations of one lax.scan whose body runs
+        `period` consecutive blocks, so XLA compiles `period` blocks instead of all of them. Layer
+        j + k·period is iteration k's j-th block: its weights are stacked along a leading axis here,
+        in the step (the parameter tree, the optimizer, checkpoints and exports keep one array per
+        layer). Returns (x after the last scanned layer, x after backout_layer if it was scanned)."""
+        kernels, windows, dtype = self.kernels, self.config.window_sizes(), x.dtype
+        graphdefs, stacks, unused_tables, rows = [], [], [], []
+        for j in range(period):
+            layers = [self.blocks[j + k * period] for k in range(repeats)]
+            # The value embeddings are looked up here, outside the scan: it then carries the (B, T,
+            # kv) rows of each layer instead of a stacked copy of its (vocab, kv) table (and of
+            # that table's gradient), 2 x 288 MiB at d12 with a 32,768-token vocabulary.
+            has_ve = layers[0].attn.ve is not None
+            rows.append(jnp.stack([b.attn.ve(idx) for b in layers]) if has_ve else None)
+            splits = [nnx.split(b, nnx.PathContains("ve"), ...) for b in layers]
+            graphdefs.append(splits[0][0])
+            unused_tables.append(jax.tree.map(lambda t: jnp.zeros((0, *t.shape[1:]), t.dtype), splits[0][1]))
+            # In the compute dtype: every block weight is cast to it where it is used anyway (a
+            # Linear's matmul), and the stacked copy of a bf16 model is half the size of an fp32 one.
+            stacks.append(jax.tree.map(lambda *a: jnp.stack([w.astype(dtype) for w in a]),
+                                       *[rest for _, _, rest in splits]))
+        n = period * repeats
+        lambdas = (self.resid_lambdas[...][:n].reshape(repeats, period),
+                   self.x0_lambdas[...][:n].reshape(repeats, period))
+        keep_rep, keep_j = divmod(backout_layer, period) if backout_layer < n else (-1, -1)
+
+        def body(carry, xs):
+            x, x_backout = carry
+            rep, states, ve_rows, resid, x0s = xs
+            for j in range(period):
+                block = nnx.merge(graphdefs[j], unused_tables[j], states[j])
+                if ve_rows[j] is not None:
+                    block.attn.ve = _LookedUp(ve_rows[j])
+                if kernels.remat is None:
+                    x = _scanned_layer(block, x, x0, resid[j], x0s[j], idx, rope, windows[j], kernels)
+                else:
+                    x = resid[j].astype(dtype) * x + x0s[j].astype(dtype) * x0
+                    x = kernels.remat(block, x, idx, rope, windows[j], kernels)
+                x = constrain(x, ("batch", None, None))
+                if j == keep_j:
+                    x_backout = jnp.where(rep == keep_rep, x, x_backout)
+            return (x, x_backout), None
+
+        carry = (x, jnp.zeros_like(x) if keep_rep >= 0 else None)
+        xs = (jnp.arange(repeats), stacks, rows, *lambdas)
+        x, x_backout = jax.lax.scan(body, carry, xs)[0]
+        return x, x_backout
+
+
+@nnx.remat(static_argnums=(7, 8), policy=SCAN_POLICY, prevent_cse=False)
+def _scanned_layer(block, x, x0, resid, x0_lambda, idx, rope, window, kernels):
+    """A layer under --scan-layers: the residual mix and the block, checkpointed by SCAN_POLICY."""
+    x = resid.astype(x.dtype) * x + x0_lambda.astype(x.dtype) * x0
+    return block(x, idx, rope, window, kernels)
+
+
+def scan_plan(cfg: GPTConfig) -> tuple[int, int]:
+    """(period, repeats) of `kernels.scan_layers`: layers [0, period·repeats) are `repeats` copies
+    of the first `period` layers' structure (attention window, value embedding or not), scanned;
+    the rest run one by one. The period is the one that leaves the fewest blocks to compile
+    (period + layers left over); repeats is 0 where nothing repeats (d4 with "SSSL": the last
+    layer's forced full window breaks the only period, 4). d12 and d20 with "SSSL": period 4."""
+    sig = [(w, cfg.has_value_embed(i)) for i, w in enumerate(cfg.window_sizes())]
+    L = len(sig)
+    best = (L, 1, 0)  # blocks compiled, period, repeats
+    for p in range(1, L // 2 + 1):
+        r = 1
+        while (r + 1) * p <= L and sig[r * p:(r + 1) * p] == sig[:p]:
+            r += 1
+        if r >= 2 and p + L - r * p < best[0]:
+            best = (p + L - r * p, p, r)
+    return best[1], best[2]
 
 
 def param_count(model: GPT) -> int:

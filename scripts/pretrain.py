@@ -83,7 +83,8 @@ def _run(tc: TrainConfig) -> dict:
     run = paths.RunFolder(tc.run_dir)  # the layout of what this stage writes
 
     # --- compute ------------------------------------------------------------------------------
-    compute = compute_init(tc.dtype, attention=tc.attention, grad_checkpoint=tc.grad_checkpoint)
+    compute = compute_init(tc.dtype, attention=tc.attention, grad_checkpoint=tc.grad_checkpoint,
+                           scan_layers=tc.scan_layers)
     print0(f"compute: {compute.backend}, {compute.device_count} device(s) in {compute.process_count} process(es), "
            f"dtype {jnp.dtype(compute.compute_dtype).name}")
 

@@ -34,6 +34,7 @@ works everywhere, and a test holds it to `ops.reference_attention`. Nothing else
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
@@ -76,10 +77,12 @@ def _xla(q, k, v, window, block):
 
 
 @functools.lru_cache(maxsize=None)
-def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False) -> Choice:
+def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint: bool = False,
+           scan_layers: bool = False) -> Choice:
     """The records for `backend` (default: JAX's) with attention `attention` (auto: the backend's
-    default; any named kernel runs anywhere, a TPU kernel off TPU in Pallas's slow interpret mode)
-    and remat when `grad_checkpoint`. The same arguments give the same records (cached)."""
+    default; any named kernel runs anywhere, a TPU kernel off TPU in Pallas's slow interpret mode),
+    remat when `grad_checkpoint`, and the repeating blocks under one lax.scan when `scan_layers`
+    (`flaxchat.gpt.scan_plan`). The same arguments give the same records (cached)."""
     import jax
 
     from flaxchat.errors import UserError
@@ -90,7 +93,10 @@ def choose(backend: str | None = None, attention: str = "auto", grad_checkpoint:
     table = attention_kernels()
     if name not in table:
         raise UserError(f"--attention must be one of {', '.join(attention_names())} (got {attention!r}).")
-    return module.choice(name, table[name], grad_checkpoint)
+    choice = module.choice(name, table[name], grad_checkpoint)
+    if scan_layers:
+        choice = dataclasses.replace(choice, model=dataclasses.replace(choice.model, scan_layers=True))
+    return choice
 
 
 @functools.lru_cache(maxsize=None)

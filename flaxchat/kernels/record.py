@@ -25,10 +25,12 @@ class Kernels:
     cross_entropy: Callable  # (raw logits, labels, cap) -> per-token nats of the soft-capped logits
     remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
     head_loss: Callable | None = None  # (x, head weight, labels, weights, cap) -> weighted loss sum, fused
+    scan_layers: bool = False  # the blocks that repeat run under one lax.scan (gpt.scan_plan), compiled once
 
     def describe(self) -> str:
         """One line for a log: what runs where."""
         extra = ", remat (--grad-checkpoint)" if self.remat is not None else ""
+        extra += ", scanned layers (--scan-layers)" if self.scan_layers else ""
         return f"kernels: {self.backend}, attention {self.attention_name}{extra}"
 
 

@@ -23,3 +23,11 @@ REMAT_POLICIES = {
 remat_blocks = {name: nnx.remat(_call_block, static_argnums=(4, 5), policy=policy)
                 for name, policy in REMAT_POLICIES.items()}
 remat_block = remat_blocks["full"]
+
+# A layer under --scan-layers without --grad-checkpoint (gpt.GPT._scanned_blocks) keeps the matmuls'
+# outputs and attention's ("attention": its output, and splash's log-sum-exp, kernels.tpu) and
+# recomputes the elementwise work between them, one layer at a time in the backward pass. Unrolled,
+# XLA fuses that work into the matmuls and keeps few of its intermediates; a scan would keep every
+# one JAX's autodiff lists, stacked per iteration (docs/accelerators.md).
+SCAN_POLICY = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names("attention"))

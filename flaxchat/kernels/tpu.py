@@ -48,8 +48,12 @@ def _splash_kernel(T: int, G: int, window: int, block: int, interpret: bool):
                           block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
     # One kv head serves its G query heads (MQA per kv head); vmapped over batch and kv heads.
     # Built as concrete arrays (the mask tables), so the cached kernel never holds a tracer.
+    # Its output and log-sum-exp are named "attention", as gpt.Attention names the output: a remat
+    # policy that keeps that name (--scan-layers', kernels.remat's "attention") keeps what the
+    # backward kernel reads, and never the lane-wide fp32 log-sum-exp the kernel writes first.
     with jax.ensure_compile_time_eval():
-        return sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * G), block_sizes=sizes, interpret=interpret)
+        return sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * G), block_sizes=sizes, interpret=interpret,
+                                                residual_checkpoint_name="attention")
 
 
 def splash_attention(q, k, v, window: int, block: int | None = None, interpret: bool | None = None) -> jax.Array:
