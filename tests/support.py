@@ -6,7 +6,9 @@ functions, so importing this costs nothing."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -162,3 +164,23 @@ def tool_chain(tokenizer, expr):
     s = tokenizer.special_tokens
     return ([s["<|assistant_start|>"], s["<|python_start|>"]] + tokenizer.encode(expr) + [s["<|python_end|>"]],
             [s["<|output_end|>"], s["<|assistant_end|>"]])
+
+
+# --- counting compiles ---------------------------------------------------------------------------
+
+COMPILED = re.compile(r"jaxpr to MLIR module conversion jit\((\w+)\)")  # every compile, cache hits too
+
+
+class CompileLog(logging.Handler):
+    """The names of the functions JAX compiles while it is attached to the "jax" logger (with
+    `jax.log_compiles(True)`): a bf16 step must appear once."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.names: list[str] = []
+
+    def emit(self, record):
+        m = COMPILED.search(record.getMessage())
+        if m:
+            self.names.append(m.group(1))
+

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 
@@ -27,25 +26,12 @@ from flaxchat.config import config_for_depth
 from flaxchat.gpt import GPT
 from flaxchat.optim import OptimConfig, Schedule, make_optimizer
 from flaxchat.train import StepLoop, check_same_types
+from support import COMPILED, CompileLog
 
 pytestmark = pytest.mark.slow  # end to end: bf16 training runs: CI runs it; `-m "not slow"` skips it
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILED = re.compile(r"jaxpr to MLIR module conversion jit\((\w+)\)")  # every compile, cache hits too
-
-
-class CompileLog(logging.Handler):
-    """The names of the functions JAX compiles while it is attached (jax_log_compiles' records)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.names: list[str] = []
-
-    def emit(self, record):
-        m = COMPILED.search(record.getMessage())
-        if m:
-            self.names.append(m.group(1))
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from flaxchat.kernels import choose
 from flaxchat.kernels.remat import remat_blocks
 from flaxchat.optim import OptimConfig, Schedule, make_optimizer
 from flaxchat.train import StepLoop, loss_sum_for_gradients
+from support import CompileLog
 
 # 8 layers of "SSSL" with value embeddings on odd layers: two periods of 4, backout (layer 4) inside
 # the scan; grouped-query attention, short windows of one 16-token block.
@@ -117,22 +117,10 @@ def test_step_loop_losses_with_and_without_scanned_layers():
     np.testing.assert_allclose(scanned, plain, rtol=1e-5)
 
 
-COMPILED = re.compile(r"jaxpr to MLIR module conversion jit\((\w+)\)")  # as tests/test_bf16.py counts
-
-
-class _CompileLog(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.names: list[str] = []
-
-    def emit(self, record):
-        m = COMPILED.search(record.getMessage())
-        if m:
-            self.names.append(m.group(1))
 
 
 def test_a_bf16_step_with_scanned_layers_compiles_once():
-    handler, logger = _CompileLog(), logging.getLogger("jax")
+    handler, logger = CompileLog(), logging.getLogger("jax")
     logger.addHandler(handler)
     try:
         with jax.log_compiles(True):
