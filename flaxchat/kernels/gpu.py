@@ -8,23 +8,15 @@ from __future__ import annotations
 import jax
 
 from flaxchat import ops
-from flaxchat.kernels.fused_loss import softcap_loss_sum
-from flaxchat.kernels.remat import remat_block
 
 DEFAULT_ATTENTION = "cudnn"
 _announced: set = set()
 
 
 def choice(attention_name: str, attention, grad_checkpoint: bool):
-    """The GPU's records (`flaxchat.kernels.Choice`) with the given attention: Polar Express
-    batched over same-shape matrices, the step's plain plan."""
-    from flaxchat.kernels.record import Choice, Kernels, PolarExpress, StepPlan
-    from flaxchat.ops import polar_express
-    model = Kernels(backend="gpu", attention_name=attention_name, attention=attention, matmul=ops.matmul,
-                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
-                    remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
-    return Choice(model=model, polar=PolarExpress(orthogonalise=polar_express, ns_dtype="bfloat16", batched=True),
-                  plan=StepPlan())
+    """The GPU's records (`flaxchat.kernels.Choice`) with the given attention (`record.accelerator_choice`)."""
+    from flaxchat.kernels.record import accelerator_choice
+    return accelerator_choice("gpu", attention_name, attention, grad_checkpoint)
 
 
 def cudnn_attention(q, k, v, window: int, block: int | None = None) -> jax.Array:

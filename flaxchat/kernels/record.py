@@ -61,3 +61,18 @@ class Choice:
     model: Kernels
     polar: PolarExpress
     plan: StepPlan
+
+
+def accelerator_choice(backend: str, attention_name: str, attention: Callable, grad_checkpoint: bool) -> Choice:
+    """The records a TPU or GPU runs with, the same on both but for the attention: the plain ops, the
+    head and its loss fused, nnx remat when `grad_checkpoint`, Polar Express in bf16 batched over
+    same-shape matrices, and the step's plain plan."""
+    from flaxchat import ops
+    from flaxchat.kernels.fused_loss import softcap_loss_sum
+    from flaxchat.kernels.remat import remat_block
+    model = Kernels(backend=backend, attention_name=attention_name, attention=attention, matmul=ops.matmul,
+                    rotary_rms_norm=ops.rotary_rms_norm, cross_entropy=ops.softcap_cross_entropy,
+                    remat=remat_block if grad_checkpoint else None, head_loss=softcap_loss_sum)
+    return Choice(model=model, polar=PolarExpress(orthogonalise=ops.polar_express, ns_dtype="bfloat16", batched=True),
+                  plan=StepPlan())
+
