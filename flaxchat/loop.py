@@ -1,7 +1,7 @@
 """The loop every training stage runs (pretraining, SFT, RL): a step, then hooks every N steps.
 
     loop = Loop("pretrain", steps, start=step, trainer=trainer, save=save, checkpointer=checkpointer,
-                progress=progress, log=print0, processes=compute.process_count, grace_s=tc.preempt_grace)
+                progress=progress, meter=Meter(steps, tokens_per_step=total), log=print0)
     loop.every(tc.log_every, log_line)               # hook(step), after the step and after the last
     loop.every(tc.eval_every, evaluate, last=tc.eval_every > 0)
     loop.every(tc.save_every, loop.save)             # the last step is always saved
@@ -14,7 +14,7 @@ tokens per second over the time since the last reading, hooks left out; MFU agai
 cannot be exceeded (`flaxchat.rates.Peak`); the time left from a smoothed step rate, hooks
 included (`flaxchat.rates.StepRate`); and the smoothed loss, which must stay finite. Before any
 hook and before a save the trainer's arrays are put back into the model and optimizer
-(`Trainer.sync`), so a hook reads the model as it is. The loop is Levanter's trainer hooks in a
+(`train.StepLoop.sync`), so a hook reads the model as it is. The loop is Levanter's trainer hooks in a
 page; what a stage does every N steps stays in its own script.
 """
 
@@ -75,10 +75,10 @@ class Meter:
         self._rate_from, self._rate_at = step, self.clock()
         self._started = self.clock()
 
-    def stepped(self, seconds: float, tokens: int | None = None) -> None:
-        """A later step took `seconds` (dispatch to dispatch) and trained `tokens` (default: the step's)."""
+    def stepped(self, seconds: float) -> None:
+        """A later step took `seconds` (dispatch to dispatch) and trained `tokens_per_step`."""
         self._window_s += seconds
-        self._tokens += self.tokens_per_step if tokens is None else tokens
+        self._tokens += self.tokens_per_step
 
     def loss(self, step: int, value, hint: str) -> float:
         """The step's loss as a float, smoothed into `smooth`; a non-finite one ends the run with `hint`."""
@@ -109,7 +109,7 @@ class Meter:
 class Loop:
     """Runs `train_one(step)` from `start` to `steps` with hooks (see the module docstring).
 
-    `trainer`: what holds the model's and optimizer's arrays between steps (`flaxchat.train.Trainer`;
+    `trainer`: what holds the model's and optimizer's arrays between steps (`flaxchat.train.StepLoop`;
     anything with `sync()`), synced before the hooks and the save. `save(step)` writes a checkpoint;
     the notice to stop calls it too. `profile`: a `flaxchat.profiling.StepProfiler` (or None)."""
 
@@ -157,7 +157,8 @@ class Loop:
         # The step is waited for where something reads it: the first (it allocates everything, so out
         # of memory shows here), before hooks, and for the progress file (a finished step, not a
         # dispatched one). That wait is training time; the hooks' own time is not.
-        if first or due or self.progress.due():
+        report = self.progress.due()
+        if first or due or report:
             jax.block_until_ready(loss)
         seconds = self.clock() - t0
         if self.profile is not None:
@@ -168,7 +169,7 @@ class Loop:
                 self.log(f"compiled the train step in {seconds:.1f}s")
         else:
             self.meter.stepped(seconds)
-        if self.progress.due():
+        if report:
             self.progress.update(self.step, loss=None if loss is None else float(loss), tok_s=self.meter.tok_s)
         if due:
             self.trainer.sync()
