@@ -48,6 +48,8 @@ def parse_args(argv):
     p.add_argument("--kernels", default="", help="comma-separated attention kernels (default: those that run here)")
     p.add_argument("--remat", default="none",
                    help=f"comma-separated remat policies of a block ({', '.join(REMATS)}; default: %(default)s)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks that repeat under one lax.scan, as pretrain's --scan-layers")
     p.add_argument("--what", default="fwd+bwd,step,accum",
                    help="which rows: fwd+bwd, step, accum (the step at --total-batch) (default: %(default)s)")
     p.add_argument("--profile", default="", metavar="DIR", help="trace the step into DIR and print its top operations")
@@ -111,15 +113,15 @@ def auto_batch(cfg) -> int:
     return scaling(n, reference_scaling_param_count(cfg), tc.param_data_ratio, tc.weight_decay, -1).total_batch_size
 
 
-def kernels_for(kernel: str, remat: str):
+def kernels_for(kernel: str, remat: str, scan_layers: bool = False):
     import dataclasses
 
     from flaxchat.kernels import choose
-    kernels = choose(attention=kernel).model
+    kernels = choose(attention=kernel, scan_layers=scan_layers).model
     if remat == "none":
         return kernels
     if kernels.backend == "cpu":
-        return choose(attention=kernel, grad_checkpoint=True).model  # the CPU's one remat form
+        return choose(attention=kernel, grad_checkpoint=True, scan_layers=scan_layers).model  # the CPU's one remat form
     from flaxchat.kernels.tpu import remat_blocks
     return dataclasses.replace(kernels, remat=remat_blocks[remat])
 
@@ -141,7 +143,7 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     from bench.scale import memory, pure_step
 
     cfg = config_for_depth(depth, vocab_size=args.vocab, sequence_len=args.seq)
-    kernels = kernels_for(kernel, remat)
+    kernels = kernels_for(kernel, remat, args.scan_layers)
     dtype = resolve_dtype(args.dtype)
     mesh = sharding.make_mesh(jax.devices(), "dp")
     polar = choose().polar
@@ -168,7 +170,7 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     def record(kind, compiled, compile_s, seconds, n_tokens, **extra):
         tok_s = n_tokens / seconds
         r = dict(depth=depth, kernel=kernel, remat=remat, kind=kind, rows=rows, seq=args.seq, tokens=n_tokens,
-                 tok_s=tok_s, ms=seconds * 1e3, compile_s=compile_s, program_bytes=memory(compiled)["peak_b"],
+                 tok_s=tok_s, ms=seconds * 1e3, compile_s=compile_s, scan_layers=args.scan_layers, program_bytes=memory(compiled)["peak_b"],
                  flops_per_token=flops, **flops_rate(flops * tok_s), **extra)
         results.append(r)
         return r

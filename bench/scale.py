@@ -85,6 +85,9 @@ def parse_args(argv):
     p.add_argument("--device-batch", default=None,
                    help="comma-separated rows per device, one table row each, e.g. 8,16,32 "
                         "(pretrain's --device-batch-size; default: 8 unless --batch is given)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches the step accumulates (pretrain's gradient accumulation): the program "
+                        "with its accumulation loop (default: %(default)s)")
     p.add_argument("--attention", default="auto", help="attention kernel (flaxchat.kernels; auto is blockwise on these "
                    "CPU devices, whose memory, O(T), is what splash and cuDNN also keep, and splash with "
                    "--topology) (default: %(default)s)")
@@ -137,6 +140,8 @@ def parse_args(argv):
     args.batch_list = [args.batch] if args.batch is not None else [b * args.devices for b in per_device]
     if args.devices < 1 or args.seq < 2 or not args.batch_list or min(args.batch_list) < 1:
         raise UserError("--devices and --batch must be at least 1 and --seq at least 2.")
+    if args.micro_batches < 1:
+        raise UserError(f"--micro-batches must be at least 1 (got {args.micro_batches}).")
     for batch in args.batch_list:
         if batch % args.devices:
             where = (f"the {args.devices} chips of {_slices_name(args)}" if args.slice else f"{args.devices} devices")
@@ -205,11 +210,12 @@ def choice_of(args):
     from flaxchat.kernels import choose
     if args.slice is None:
         return choose(attention=args.attention, grad_checkpoint=args.grad_checkpoint, scan_layers=args.scan_layers)
-    from bench.topology import splash_compiled
+    from bench.topology import splash_compiled, splash_heads_first_compiled
     c = choose("tpu", attention=args.attention, grad_checkpoint=args.grad_checkpoint, scan_layers=args.scan_layers)
     if c.model.attention_name != "splash":
         return c
-    return dataclasses.replace(c, model=dataclasses.replace(c.model, attention=splash_compiled))
+    return dataclasses.replace(c, model=dataclasses.replace(c.model, attention=splash_compiled,
+                                                            attention_heads_first=splash_heads_first_compiled))
 
 
 def build(cfg, dtype, mesh, abstract: bool, kernels=None, polar=None, ns_dtype: str = "float32"):
@@ -269,7 +275,7 @@ def compile_step(cfg, mesh, args, cheap: bool):
     # variable by its own metadata instead of by our rules).
     model, opt = build_for(cfg, mesh, args, abstract=True)
     batch = NamedSharding(mesh, P(None, sharding.BATCH))
-    xs = jax.ShapeDtypeStruct((1, args.batch, cfg.sequence_len), jnp.int32, sharding=batch)
+    xs = jax.ShapeDtypeStruct((args.micro_batches, args.batch, cfg.sequence_len), jnp.int32, sharding=batch)
     graphdef, state = nnx.split((model, opt))
     plan = choice_of(args).plan  # with --topology the TPU's, not this machine's
     t = time.perf_counter()
@@ -353,7 +359,7 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     model, opt = build_for(cfg, mesh, args, abstract=False)
     real = nnx.state((model, opt))
     del model, opt
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, cfg.sequence_len), np.int32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.micro_batches, args.batch, cfg.sequence_len), np.int32)
     x = jax.device_put(tokens, batch)
     with jax.set_mesh(mesh):
         for _ in range(2):

@@ -148,6 +148,12 @@ def splash_compiled(q, k, v, window, block):
     return splash_attention(q, k, v, window, interpret=False)
 
 
+def splash_heads_first_compiled(q, k, v, window, block):
+    """`splash_compiled` on (B, heads, T, D) arrays (the TPU record's attention_heads_first)."""
+    from flaxchat.kernels.tpu import splash_attention
+    return splash_attention(q, k, v, window, interpret=False, heads_first=True)
+
+
 _UNITS = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 

@@ -107,6 +107,21 @@ def test_splash_interpret_equals_reference(dtype, window):
     _check(lambda q, k, v, w: tpu.splash_attention(q, k, v, w, block=128, interpret=True), 1, 256, 4, 2, 32, window, dtype)
 
 
+def _heads_first(attend):
+    """`attend` on (B, heads, T, D) arrays, called on and returning the reference's (B, T, heads, D)."""
+    swap = lambda a: jnp.swapaxes(a, 1, 2)
+    return lambda q, k, v, w: swap(attend(swap(q), swap(k), swap(v), w))
+
+
+@pytest.mark.parametrize("T, window", [(256, 100), (200, 200)], ids=["window100", "padded"])
+def test_splash_heads_first_equals_reference(T, window):
+    """The TPU record's attention_heads_first, splash on (B, heads, T, D) with no transposes around
+    the kernel: the reference's output and gradients, on whole tiles and on a padded sequence."""
+    record = kernels.choose("tpu", "splash").model
+    _check(_heads_first(lambda q, k, v, w: record.attention_heads_first(q, k, v, w, 128)), 1, T, 4, 2, 32, window,
+           jnp.float32)
+
+
 def test_splash_pads_a_sequence_that_is_not_whole_tiles():
     """--attention splash (and a TPU's prefill of any prompt length) pads to whole 128-lane tiles:
     T=200 runs as 256, the padded keys after every real query, so the numbers are the reference's."""

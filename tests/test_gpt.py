@@ -250,6 +250,32 @@ def test_whole_model_gradient_equals_the_plain_ops(dtype):
         assert _rel_err(flat(custom), flat(exact)) <= 1.25 * _rel_err(flat(plain), flat(exact)) + 1e-3
 
 
+def test_heads_first_attention_gives_the_same_loss_and_gradients():
+    """The TPU record computes attention heads-first (projections straight to (B, H, T, D) for
+    splash, no transposes); the same model with splash on (B, T, H, D) arrays gives the same loss
+    and gradient of every parameter (fp32, splash in Pallas interpret mode; value embeddings, GQA
+    and a window included)."""
+    from flaxchat.train import _micro_loss
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, vocab_size=203, sequence_len=128, window_pattern="SL")
+    record = kernels.choose("tpu", "splash").model
+    assert record.attention_heads_first is not None
+    graphdef, params, rest = nnx.split(_nonzero_model(cfg), nnx.Param, ...)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.integers(0, 203, (2, 128)), jnp.int32)
+
+    def value_and_grad(record):
+        m = nnx.merge(graphdef, params, rest)
+        m.kernels = record
+        gd, p, r = nnx.split(m, nnx.Param, ...)
+        return jax.jit(jax.value_and_grad(lambda p: _micro_loss(p, gd, r, x, jnp.roll(x, -1, 1))[0]))(p)
+
+    first, first_g = value_and_grad(dataclasses.replace(record, head_loss=None))
+    plain, plain_g = value_and_grad(dataclasses.replace(record, head_loss=None, attention_heads_first=None))
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(t)])
+    assert abs(float(first) - float(plain)) <= 1e-6 * abs(float(plain))
+    assert _rel_err(flat(first_g), flat(plain_g)) < 1e-5
+
+
 def test_gates_start_as_nanochats():
     """Value-embedding gate: 12 input channels, 3·sigmoid, kernel U(0, 0.02); smear gate U(0, 0.02)."""
     from flaxchat.gpt import scaling_param_count

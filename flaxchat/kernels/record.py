@@ -19,10 +19,13 @@ class Kernels:
 
     backend: str  # cpu, gpu, tpu, or portable (export)
     attention_name: str  # what `attention` is: splash, cudnn, blockwise, xla, ...
-    attention: Callable  # (q, k, v, window, block) -> y
+    attention: Callable  # (q, k, v, window, block) -> y, each (B, T, heads, D)
     matmul: Callable  # (x, w) -> x @ w, with this backend's backward
     rotary_rms_norm: Callable  # (x, RotaryTable, scale) -> rms_norm(rotary(x)) * scale
     cross_entropy: Callable  # (raw logits, labels, cap) -> per-token nats of the soft-capped logits
+    # The same attention on (B, heads, T, D) arrays, where the kernel computes in that layout (splash):
+    # training's projections then write it directly, and no transpose surrounds the kernel.
+    attention_heads_first: Callable | None = None
     remat: Callable | None = None  # (block, x, idx, rope, window, kernels) -> y when --grad-checkpoint
     head_loss: Callable | None = None  # (x, head weight, labels, weights, cap) -> weighted loss sum, fused
     scan_layers: bool = False  # the blocks that repeat run under one lax.scan (gpt.scan_plan), compiled once

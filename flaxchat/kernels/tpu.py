@@ -8,6 +8,7 @@ with the blockwise kernel (flaxchat at f418ebc, `python -m bench.device_check --
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,9 +22,11 @@ DEFAULT_ATTENTION = "splash"
 def choice(attention_name: str, attention, grad_checkpoint: bool):
     """The TPU's records (`flaxchat.kernels.Choice`) with the given attention (`record.accelerator_choice`)."""
     from flaxchat.kernels.record import accelerator_choice
-    return accelerator_choice("tpu", attention_name, attention, grad_checkpoint)
-
-
+    choice = accelerator_choice("tpu", attention_name, attention, grad_checkpoint)
+    if attention_name != "splash":
+        return choice
+    # splash computes heads before time: the model's projections write that layout for it
+    return dataclasses.replace(choice, model=dataclasses.replace(choice.model, attention_heads_first=_splash_heads_first))
 
 
 # --- splash (TPU; Pallas interpret mode elsewhere) -----------------------------------------------
@@ -48,9 +51,12 @@ def _splash_kernel(T: int, G: int, window: int, block: int, interpret: bool):
                                                 residual_checkpoint_name="attention")
 
 
-def splash_attention(q, k, v, window: int, block: int | None = None, interpret: bool | None = None) -> jax.Array:
+def splash_attention(q, k, v, window: int, block: int | None = None, interpret: bool | None = None,
+                     heads_first: bool = False) -> jax.Array:
     """Pallas splash attention (TPU): causal or local mask, blocks outside it skipped, GQA.
 
+    q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H, D); with `heads_first` every array is
+    (B, heads, T, D), the layout the kernel computes in, and no transpose surrounds it.
     Under a mesh the kernel runs per device through shard_map (rows split as the rules split the
     batch); a Pallas call is not partitioned by the compiler. Off TPU it runs in Pallas interpret
     mode (slow; for tests). The sequence must be a multiple of 128 (the TPU lane width).
@@ -58,24 +64,23 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
     """
     from flaxchat.sharding import BATCH, sharded_mesh
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
-    B, T, H, D = q.shape
-    Hkv = k.shape[2]
+    H, T, D = (q.shape[1], q.shape[2], q.shape[3]) if heads_first else (q.shape[2], q.shape[1], q.shape[3])
+    Hkv = k.shape[1] if heads_first else k.shape[2]
     G = H // Hkv
     # 512-row blocks by default, as maxtext's splash defaults
     block = block or next(b for b in (512, 256, 128) if T % b == 0)
     kern = _splash_kernel(T, G, min(window, T), block, interpret)
 
     def local(q, k, v):
-        b, t = q.shape[:2]
-        qt = jnp.transpose(q.reshape(b, t, Hkv, G, D), (0, 2, 3, 1, 4)) * jnp.asarray(D ** -0.5, q.dtype)
-        kt, vt = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
-        # bf16 operands at the default precision: Mosaic cannot lower a bf16 dot at fp32 contract
-        # precision ("Bad lhs type" on a v5e), which JAX_DEFAULT_MATMUL_PRECISION=highest would ask for.
+        b = q.shape[0]
+        if not heads_first:
+            q, k, v = (jnp.transpose(a, (0, 2, 1, 3)) for a in (q, k, v))
         # bf16 operands want the default matmul precision: Mosaic cannot lower a bf16 dot at fp32
         # contract precision ("Bad lhs type" on a v5e), which a program lowered under
         # jax.default_matmul_precision("highest") asks of it.
-        out = jax.vmap(jax.vmap(kern))(qt, kt, vt)  # (b, Hkv, G, t, D)
-        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, H, D)
+        qt = q.reshape(b, Hkv, G, T, D) * jnp.asarray(D ** -0.5, q.dtype)
+        out = jax.vmap(jax.vmap(kern))(qt, k, v).reshape(b, H, T, D)  # one kv head's G query heads at a time
+        return out if heads_first else jnp.transpose(out, (0, 2, 1, 3))
 
     if sharded_mesh() is None:
         return local(q, k, v)
@@ -84,14 +89,23 @@ def splash_attention(q, k, v, window: int, block: int | None = None, interpret: 
     return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 
-def _splash(q, k, v, window, block):
+def _splash(q, k, v, window, block, heads_first: bool = False):
     """Splash on a sequence padded to whole 128-lane blocks (a prompt at inference, a short
     sequence): the padded keys come after every real query, so causality hides them."""
-    T = q.shape[1]
+    axis = 2 if heads_first else 1
+    T = q.shape[axis]
     pad = -T % 128
     if pad:
-        q, k, v = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (q, k, v))
-    return splash_attention(q, k, v, window)[:, :T]
+        widths = [(0, 0)] * 4
+        widths[axis] = (0, pad)
+        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    y = splash_attention(q, k, v, window, heads_first=heads_first)
+    return y[:, :, :T] if heads_first else y[:, :T]
+
+
+def _splash_heads_first(q, k, v, window, block):
+    """`_splash` on (B, heads, T, D) arrays: the record's attention_heads_first."""
+    return _splash(q, k, v, window, block, heads_first=True)
 
 
 ATTENTION = {"splash": _splash}  # the kernels this file adds to --attention
