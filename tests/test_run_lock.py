@@ -7,6 +7,7 @@ the file and its heartbeat."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -120,7 +121,13 @@ def _remote_lock(tmp_path, monkeypatch, record: dict):
     gcs = Gcs(tmp_path / "gcs")
     for k, v in gcs.env().items():
         monkeypatch.setenv(k, v)
-    sys.path.insert(0, str(gcs.site))
+    # The stand-in is this process's gs:// for this test only: fsspec's registry, the import hooks
+    # and sys.path are put back at teardown (a later test in this worker sees gs:// as it was).
+    registry = importlib.import_module("fsspec.registry")._registry  # fsspec.registry is the mapping's name too
+    monkeypatch.syspath_prepend(str(gcs.site))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for protocol in ("gs", "gcs"):
+        monkeypatch.setitem(registry, protocol, registry.get(protocol))
     import flaxchat_rehearsal_bucket as bucket
     bucket.install()
     from flaxchat import paths
