@@ -116,7 +116,9 @@ class Attention(nnx.Module):
             # Heads before time from the projections to c_proj: the layout splash computes in, so no
             # transpose surrounds it (d12's gradient on a v5e: 144,044 -> 148,807 tok/s).
             q, k, v = self.qkv(x, idx, rope, kernels, heads_first=True)
-            y = checkpoint_name(kernels.attention_heads_first(q, k, v, window, self.block), "attention")
+            # not named here: splash names its output and log-sum-exp itself (a second name, on this
+            # reshape of the same output, made a scanned d12 step keep both: 288 MiB)
+            y = kernels.attention_heads_first(q, k, v, window, self.block)
             w = self.c_proj.kernel[...].astype(x.dtype).reshape(self.n_head, self.head_dim, C)
             return jnp.einsum("bhtd,hdc->btc", y, w)
         q, k, v = self.qkv(x, idx, rope, kernels)
