@@ -13,8 +13,9 @@ def _call_block(block, x, idx, rope, window, kernels):
 
 # What a block keeps for the backward pass under --grad-checkpoint (TPU and GPU); the rest is
 # recomputed. "full": only the block's input; "dots": every matmul's output (the elementwise
-# work and attention are recomputed); "attention": only attention's output (named in gpt.Attention),
-# so the backward recomputes the projections and the MLP but never the attention kernel.
+# work and attention are recomputed); "attention": only attention's output (named in gpt.Attention,
+# or by splash itself), so the backward recomputes the projections and the MLP but never the
+# attention kernel.
 REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

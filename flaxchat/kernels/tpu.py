@@ -43,9 +43,10 @@ def _splash_kernel(T: int, G: int, window: int, block: int, interpret: bool):
                           block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
     # One kv head serves its G query heads (MQA per kv head); vmapped over batch and kv heads.
     # Built as concrete arrays (the mask tables), so the cached kernel never holds a tracer.
-    # Its output and log-sum-exp are named "attention", as gpt.Attention names the output: a remat
-    # policy that keeps that name (--scan-layers', kernels.remat's "attention") keeps what the
-    # backward kernel reads, and never the lane-wide fp32 log-sum-exp the kernel writes first.
+    # Its output and log-sum-exp are named "attention", as gpt.Attention names other kernels' output
+    # (not splash's heads-first one, which would then be kept twice): a remat policy that keeps
+    # that name (--scan-layers', kernels.remat's "attention") keeps what the backward kernel reads,
+    # and never the lane-wide fp32 log-sum-exp the kernel writes first.
     with jax.ensure_compile_time_eval():
         return sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * G), block_sizes=sizes, interpret=interpret,
                                                 residual_checkpoint_name="attention")
