@@ -249,13 +249,19 @@ async def _reply_events(pool: SlotPool, engine, tokenizer, prompt, sampling, str
     """Wait for a slot (reporting the queue), then stream the reply's text pieces as events."""
     loop = asyncio.get_running_loop()
     pool.waiting += 1
+    # One acquire for the whole wait, left pending across the queued events (asyncio.wait), rather
+    # than one cancelled and asked again every second (wait_for): a slot is only ever won or given
+    # back here, in one place.
+    acquire = asyncio.ensure_future(pool.sem.acquire())
     try:
-        while True:
-            try:
-                await asyncio.wait_for(pool.sem.acquire(), timeout=1.0)
-                break
-            except asyncio.TimeoutError:
-                yield _event({"queued": pool.waiting})
+        while not (await asyncio.wait({acquire}, timeout=1.0))[0]:
+            yield _event({"queued": pool.waiting})
+    except BaseException:  # the client left while waiting: give back a slot it may just have got
+        if acquire.done() and not acquire.cancelled():
+            pool.sem.release()
+        else:
+            acquire.cancel()
+        raise
     finally:
         pool.waiting -= 1
     pool.busy += 1

@@ -471,9 +471,11 @@ def test_a_client_dropping_mid_stream_leaves_no_traceback_and_the_next_is_served
             s = socket.create_connection((host, int(port)), timeout=60)
             s.sendall(b"POST /chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            got = b""
+            got, deadline = b"", time.monotonic() + 60
             while b'{"token"' not in got:  # the reply is streaming
-                got += s.recv(4096)
+                chunk = s.recv(4096)
+                assert chunk and time.monotonic() < deadline, f"no token in 60 s; the reply so far: {got[-600:]!r}"
+                got += chunk
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a dropped tab
             s.close()
             time.sleep(1.0)
