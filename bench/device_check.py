@@ -170,7 +170,8 @@ def run_one(depth: int, kernel: str, remat: str, args, flops_rate) -> list[dict]
     def record(kind, compiled, compile_s, seconds, n_tokens, **extra):
         tok_s = n_tokens / seconds
         r = dict(depth=depth, kernel=kernel, remat=remat, kind=kind, rows=rows, seq=args.seq, tokens=n_tokens,
-                 tok_s=tok_s, ms=seconds * 1e3, compile_s=compile_s, scan_layers=args.scan_layers, program_bytes=memory(compiled)["peak_b"],
+                 tok_s=tok_s, ms=seconds * 1e3, compile_s=compile_s, scan_layers=args.scan_layers,
+                 program_bytes=memory(compiled)["peak_b"],
                  flops_per_token=flops, **flops_rate(flops * tok_s), **extra)
         results.append(r)
         return r

@@ -359,7 +359,8 @@ def measure(cfg, layout: str, args, run: str) -> dict:
     model, opt = build_for(cfg, mesh, args, abstract=False)
     real = nnx.state((model, opt))
     del model, opt
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.micro_batches, args.batch, cfg.sequence_len), np.int32)
+    shape = (args.micro_batches, args.batch, cfg.sequence_len)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, shape, np.int32)
     x = jax.device_put(tokens, batch)
     with jax.set_mesh(mesh):
         for _ in range(2):

@@ -26,7 +26,8 @@ def choice(attention_name: str, attention, grad_checkpoint: bool):
     if attention_name != "splash":
         return choice
     # splash computes heads before time: the model's projections write that layout for it
-    return dataclasses.replace(choice, model=dataclasses.replace(choice.model, attention_heads_first=_splash_heads_first))
+    model = dataclasses.replace(choice.model, attention_heads_first=_splash_heads_first)
+    return dataclasses.replace(choice, model=model)
 
 
 # --- splash (TPU; Pallas interpret mode elsewhere) -----------------------------------------------
